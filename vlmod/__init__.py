@@ -1,0 +1,16 @@
+"""vlmod: Mixture-of-Depths routing for existing vision-language models."""
+
+from vlmod.config import MoDConfig, TokenType
+from vlmod.routing import apply_mod, mod_layers, remove_mod, router_aux_loss, trace_routing
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MoDConfig",
+    "TokenType",
+    "apply_mod",
+    "mod_layers",
+    "remove_mod",
+    "router_aux_loss",
+    "trace_routing",
+]

@@ -1,0 +1,53 @@
+"""One small adapter per model family: where the blocks are, which tokens are prefix, how the
+blocks are called. No routing math lives here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from torch import nn
+
+from vlmod.config import MoDConfig
+from vlmod.routing.layer import BlockAdapter
+
+
+@dataclass
+class PartSpec:
+    """A convertible model part as a plugin finds it."""
+
+    name: str  # "vision" or "language"
+    family: str
+    root: nn.Module  # holds the shared router and the part's state
+    entry: nn.Module  # the module whose forward starts a pass over the part
+    blocks: nn.ModuleList
+    dim: int
+    adapter: BlockAdapter
+
+
+class Plugin(Protocol):
+    FAMILIES: tuple[str, ...]
+
+    def matches(self, model: nn.Module) -> bool: ...
+
+    def part_spec(self, model: nn.Module, part: str | None, config: MoDConfig) -> PartSpec: ...
+
+
+def plugins() -> list[Plugin]:
+    from vlmod.plugins import hf_vision, open_clip, timm
+
+    return [timm, open_clip, hf_vision]
+
+
+def supported_families() -> list[str]:
+    return [f for p in plugins() for f in p.FAMILIES]
+
+
+def find_plugin(model: nn.Module) -> Plugin:
+    for plugin in plugins():
+        if plugin.matches(model):
+            return plugin
+    raise TypeError(
+        f"vlmod cannot convert a {type(model).__module__}.{type(model).__name__}; supported "
+        f"families: {', '.join(supported_families())}"
+    )

@@ -1,0 +1,99 @@
+"""apply_mod / remove_mod / mod_layers / router_aux_loss."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from vlmod.config import MoDConfig
+from vlmod.routing.layer import (
+    LAYER_ATTR,
+    PART_ATTR,
+    ROUTER_ATTR,
+    LayerRouting,
+    MoDPart,
+    mod_class,
+    upstream_class,
+)
+from vlmod.routing.router import Router
+from vlmod.routing.schedule import layer_capacities
+from vlmod.routing.trace import find_parts
+
+
+def _new_router(dim: int, like: nn.Module) -> Router:
+    param = next(like.parameters(), None)
+    return Router(dim, device=None if param is None else param.device, dtype=None if param is None else param.dtype)
+
+
+def apply_mod(model: nn.Module, config: MoDConfig, part: str | None = None) -> nn.Module:
+    """Convert the chosen layers of one model part to MoD, in place; returns `model`.
+
+    `part` is "language" or "vision" for LLaVA models (default "language") and "vision" (the
+    default) for image encoders.
+    """
+    from vlmod.plugins import find_plugin
+
+    if not isinstance(config, MoDConfig):
+        raise TypeError(f"config must be a vlmod.MoDConfig, got {type(config).__name__}")
+    spec = find_plugin(model).part_spec(model, part, config)
+    if PART_ATTR in spec.root.__dict__:
+        existing = spec.root.__dict__[PART_ATTR]
+        raise ValueError(
+            f"the {existing.name} part of this model is already converted "
+            f"(layers {sorted(existing.capacities)}); call vlmod.remove_mod(model) first"
+        )
+    num_layers = len(spec.blocks)
+    layers = config.resolve_layers(num_layers)
+    capacities = layer_capacities(config.capacity, layers, num_layers, config.capacity_schedule)
+    part_obj = MoDPart(
+        name=spec.name,
+        config=config,
+        root=spec.root,
+        blocks=spec.blocks,
+        adapter=spec.adapter,
+        capacities=capacities,
+        family=spec.family,
+    )
+    if config.share_router:
+        setattr(spec.root, ROUTER_ATTR, _new_router(spec.dim, spec.blocks[layers[0]]))
+    for i in layers:
+        block = spec.blocks[i]
+        if not config.share_router:
+            setattr(block, ROUTER_ATTR, _new_router(spec.dim, block))
+        block.__class__ = mod_class(type(block))
+        setattr(block, LAYER_ATTR, LayerRouting(part_obj, i, capacities[i]))
+    spec.root.__dict__[PART_ATTR] = part_obj
+    part_obj.hooks.append(
+        spec.entry.register_forward_pre_hook(
+            lambda _m, args, kwargs: part_obj.begin_forward(args, kwargs), with_kwargs=True
+        )
+    )
+    return model
+
+
+def remove_mod(model: nn.Module) -> nn.Module:
+    """Give every converted block its original class back and drop the routers; in place."""
+    for part in find_parts(model):
+        for i in part.capacities:
+            block = part.blocks[i]
+            block.__class__ = upstream_class(type(block))
+            block.__dict__.pop(LAYER_ATTR, None)
+            if ROUTER_ATTR in block._modules:
+                delattr(block, ROUTER_ATTR)
+        if ROUTER_ATTR in part.root._modules:
+            delattr(part.root, ROUTER_ATTR)
+        for hook in part.hooks:
+            hook.remove()
+        del part.root.__dict__[PART_ATTR]
+    return model
+
+
+def mod_layers(model: nn.Module) -> dict[tuple[str, int], float]:
+    """{(part, layer_idx): capacity} of the converted layers."""
+    return {(p.name, i): c for p in find_parts(model) for i, c in sorted(p.capacities.items())}
+
+
+def router_aux_loss(model: nn.Module) -> Tensor | None:
+    """The router aux loss of the last forward (mean over MoD layers), or None if not configured."""
+    losses = [loss for p in find_parts(model) if p.config.aux_loss for loss in p.aux_losses.values()]
+    return torch.stack(losses).mean() if losses else None

@@ -1,0 +1,138 @@
+"""A MoD layer: the upstream block class with routing put in front of its own forward.
+
+Conversion swaps the class of each converted block for a subclass (ToMe style), so parameter
+names, hooks on the upstream class and gradient checkpointing all stay as they were; the
+routing state lives in a plain attribute, the router in `mod_router` of the part root (shared)
+or of each block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from vlmod.config import MoDConfig
+from vlmod.routing.router import Router, gate, selection_keys
+from vlmod.routing.selection import Selection, TokenLayout, select_tokens
+
+ROUTER_ATTR = "mod_router"
+PART_ATTR = "_vlmod_part"
+LAYER_ATTR = "_vlmod_layer"
+
+
+class BlockAdapter(Protocol):
+    """What a plugin knows about its blocks; the routing math never looks past this."""
+
+    def hidden_states(self, args: tuple, kwargs: dict) -> Tensor:
+        """The token states [B, L, D] the block was called with."""
+
+    def layout(self, part: MoDPart, x: Tensor, args: tuple, kwargs: dict) -> TokenLayout:
+        """The token layout of this batch."""
+
+    def run(self, upstream: Callable, x_sel: Tensor, sel: Selection, args: tuple, kwargs: dict) -> Tensor:
+        """Call the upstream block on the selected tokens (masks, positions, caches gathered)."""
+
+    def output(self, out: Tensor, args: tuple, kwargs: dict) -> Any:
+        """Turn the full-length states [B, L, D] into what the upstream block returns."""
+
+    def begin_forward(self, part: MoDPart, args: tuple, kwargs: dict) -> None:
+        """Called before each forward of the part's entry module."""
+
+
+@dataclass
+class MoDPart:
+    """The converted layers of one model part ("vision" or "language") and their shared state."""
+
+    name: str
+    config: MoDConfig
+    root: nn.Module
+    blocks: nn.ModuleList
+    adapter: BlockAdapter
+    capacities: dict[int, float]
+    family: str
+    trace: Any = None
+    aux_losses: dict[int, Tensor] = field(default_factory=dict)
+    generator: torch.Generator | None = None
+    hooks: list = field(default_factory=list)
+
+    def begin_forward(self, args: tuple, kwargs: dict) -> None:
+        if self.config.seed is not None and self.config.router == "random":
+            device = next(self.root.parameters()).device
+            if self.generator is None or self.generator.device != device:
+                self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(self.config.seed)
+        self.adapter.begin_forward(self, args, kwargs)
+
+    def router_for(self, layer_idx: int) -> Router:
+        owner = self.root if self.config.share_router else self.blocks[layer_idx]
+        return getattr(owner, ROUTER_ATTR)
+
+    def record(self, layer_idx: int, sel: Selection, scores: Tensor, layout: TokenLayout) -> None:
+        if self.config.aux_loss == "bce":
+            processed = sel.processed_mask() if sel.index is not None else layout.routable
+            weight = layout.routable.float()
+            bce = F.binary_cross_entropy_with_logits(scores.float(), processed.float(), reduction="none")
+            self.aux_losses[layer_idx] = (bce * weight).sum() / weight.sum().clamp_min(1.0)
+        if self.trace is not None:
+            processed = (
+                sel.processed_mask()
+                if sel.index is not None
+                else torch.ones(layout.shape, dtype=torch.bool, device=scores.device)
+            )
+            self.trace.record(self.name, layer_idx, processed, scores.detach(), layout.token_types)
+
+
+class LayerRouting:
+    """Routing state of one converted block; not a module, so it adds no parameter names."""
+
+    def __init__(self, part: MoDPart, layer_idx: int, capacity: float):
+        self.part = part
+        self.layer_idx = layer_idx
+        self.capacity = capacity
+
+    def forward(self, upstream: Callable, args: tuple, kwargs: dict) -> Any:
+        part, cfg, adapter = self.part, self.part.config, self.part.adapter
+        x = adapter.hidden_states(args, kwargs)
+        layout = adapter.layout(part, x, args, kwargs)
+        scores = part.router_for(self.layer_idx)(x)
+        keys = selection_keys(cfg.router, scores, layout, self.capacity, part.generator)
+        sel = select_tokens(keys, layout, self.capacity)
+        x_sel = sel.gather(x)
+        y_sel = adapter.run(upstream, x_sel, sel, args, kwargs)
+        g = gate(sel.gather(scores), cfg.gate, cfg.gate_alpha)
+        # x + g (y - x), written as y + (g - 1)(y - x) so that g == 1 gives y bit for bit.
+        new = y_sel if g is None else y_sel + (g - 1).unsqueeze(-1).to(y_sel.dtype) * (y_sel - x_sel)
+        if sel.valid is not None:
+            new = torch.where(sel.valid.unsqueeze(-1), new, x_sel)
+        out = sel.scatter(x, new)
+        part.record(self.layer_idx, sel, scores, layout)
+        return adapter.output(out, args, kwargs)
+
+
+class MoDLayer:
+    """Mixin put in front of an upstream block class by `mod_class`."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self, LAYER_ATTR).forward(super().forward, args, kwargs)
+
+
+_MOD_CLASSES: dict[type, type] = {}
+
+
+def mod_class(block_cls: type) -> type:
+    """The MoD subclass of an upstream block class (one per class, created once)."""
+    if issubclass(block_cls, MoDLayer):
+        return block_cls
+    if block_cls not in _MOD_CLASSES:
+        _MOD_CLASSES[block_cls] = type(f"MoD{block_cls.__name__}", (MoDLayer, block_cls), {})
+    return _MOD_CLASSES[block_cls]
+
+
+def upstream_class(block_cls: type) -> type:
+    """The upstream class a MoD subclass was made from."""
+    return next(c for c in block_cls.__mro__[1:] if c is not MoDLayer and not issubclass(c, MoDLayer))

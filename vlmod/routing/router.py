@@ -1,0 +1,54 @@
+"""The router (one scalar per token), the gate g(r) and the selection keys of each router kind."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from vlmod.routing.selection import TokenLayout
+
+
+class Router(nn.Linear):
+    """Linear(d, 1) initialised to zero, so a fresh conversion gates every token by g(0) = 1."""
+
+    def __init__(self, dim: int, device: torch.device | None = None, dtype: torch.dtype | None = None):
+        super().__init__(dim, 1, device=device, dtype=dtype)
+        nn.init.zeros_(self.weight)
+        nn.init.zeros_(self.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x [B, L, D] -> router logits [B, L]."""
+        return super().forward(x.to(self.weight.dtype)).squeeze(-1)
+
+
+def gate(scores: Tensor, kind: str, alpha: float) -> Tensor | None:
+    """g(r) per token, or None when g is identically 1."""
+    if kind == "tanh":
+        return 1.0 + alpha * torch.tanh(scores)
+    if kind == "sigmoid":
+        return 2.0 * torch.sigmoid(scores)
+    if kind == "none":
+        return None
+    raise ValueError(f"unknown gate {kind!r}")
+
+
+def selection_keys(
+    kind: str, scores: Tensor, layout: TokenLayout, capacity: float, generator: torch.Generator | None
+) -> Tensor:
+    """What top-k ranks for each router kind; the gate always uses the learned `scores`."""
+    if kind == "learned":
+        return scores
+    if kind == "inverted":
+        return -scores
+    if kind == "random":
+        return torch.rand(scores.shape, device=scores.device, generator=generator)
+    if kind == "stride":
+        # Routable token j of a row with n routable and k slots is kept iff (j * k) mod n < k:
+        # exactly k evenly spaced tokens (j = ceil(i * n / k), i < k), the same for every input.
+        routable = layout.routable
+        j = routable.long().cumsum(1) - 1
+        n = routable.sum(1, keepdim=True).clamp_min(1)
+        k, _ = layout.budget(capacity)
+        k = k.unsqueeze(1) if isinstance(k, Tensor) else k
+        return -((j * k) % n).to(scores.dtype)
+    raise ValueError(f"unknown router {kind!r}")

@@ -1,0 +1,146 @@
+"""Which tokens run a MoD layer: protected tokens always, the top-k routable ones by score.
+
+Shapes are static per batch: a selection is a `[B, K]` index of processed positions in their
+original order, with K the largest per-row count of the batch. Rows that process fewer tokens
+(padding, fewer image tokens) fill their tail with skipped positions marked invalid, which are
+written back unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from vlmod.config import TokenType
+from vlmod.routing.schedule import capacity_to_k, capacity_to_k_tensor
+
+
+@dataclass
+class TokenLayout:
+    """Who may be skipped in one batch, computed once per forward and shared by its MoD layers.
+
+    `num_prefix` is set for the layout of a ViT (prefix tokens first, then image tokens, the same
+    in every row and no padding): selection then needs no host sync at all.
+    """
+
+    token_types: Tensor  # [B, L] long (TokenType values)
+    routable: Tensor  # [B, L] bool
+    protected: Tensor  # [B, L] bool: real tokens that always run
+    num_prefix: int | None = None
+    _budgets: dict[float, tuple[Tensor | int, int]] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_types(
+        cls,
+        token_types: Tensor,
+        routable_types: Iterable[TokenType],
+        capacities: Iterable[float] = (),
+    ) -> TokenLayout:
+        """Layout of a batch with arbitrary token types; precomputes the budgets of `capacities`
+        in a single host sync."""
+        routable_ids = torch.tensor([int(t) for t in routable_types], dtype=token_types.dtype)
+        routable = torch.isin(token_types, routable_ids.to(token_types.device))
+        protected = (token_types != TokenType.PADDING) & ~routable
+        layout = cls(token_types=token_types, routable=routable, protected=protected)
+        layout.prepare(capacities)
+        return layout
+
+    @classmethod
+    def prefix_then_image(
+        cls, batch: int, length: int, num_prefix: int, image_routable: bool, device: torch.device
+    ) -> TokenLayout:
+        types = torch.full((batch, length), int(TokenType.IMAGE), dtype=torch.long, device=device)
+        types[:, :num_prefix] = int(TokenType.PREFIX)
+        routable = torch.zeros(batch, length, dtype=torch.bool, device=device)
+        if image_routable:
+            routable[:, num_prefix:] = True
+        return cls(
+            token_types=types,
+            routable=routable,
+            protected=~routable,
+            num_prefix=num_prefix if image_routable else length,
+        )
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.token_types.shape)  # type: ignore[return-value]
+
+    def prepare(self, capacities: Iterable[float]) -> None:
+        """Compute (k per row, K) for each capacity with one host sync for all of them."""
+        caps = [c for c in dict.fromkeys(capacities) if c not in self._budgets]
+        if not caps or self.num_prefix is not None:
+            return
+        n_routable = self.routable.sum(1)
+        n_protected = self.protected.sum(1)
+        ks = [capacity_to_k_tensor(c, n_routable) for c in caps]
+        totals = torch.stack([(k + n_protected).max() for k in ks]).tolist()
+        for c, k, total in zip(caps, ks, totals):
+            self._budgets[c] = (k, int(total))
+
+    def budget(self, capacity: float) -> tuple[Tensor | int, int]:
+        """(k routable slots per row, K processed slots per row of the batch) at `capacity`."""
+        if self.num_prefix is not None:
+            length = self.shape[1]
+            k = capacity_to_k(capacity, length - self.num_prefix)
+            return k, self.num_prefix + k
+        if capacity not in self._budgets:
+            self.prepare([capacity])
+        return self._budgets[capacity]
+
+
+@dataclass
+class Selection:
+    """The processed tokens of one MoD layer: `index` [B, K] ascending, `valid` [B, K] or None."""
+
+    index: Tensor | None  # None: every token runs (no gather needed)
+    valid: Tensor | None
+    length: int
+
+    def gather(self, x: Tensor) -> Tensor:
+        """x [B, L, ...] -> [B, K, ...]."""
+        if self.index is None:
+            return x
+        idx = self.index.view(*self.index.shape, *([1] * (x.dim() - 2)))
+        return x.gather(1, idx.expand(-1, -1, *x.shape[2:]))
+
+    def scatter(self, x: Tensor, values: Tensor) -> Tensor:
+        """A copy of x [B, L, ...] with the selected positions replaced by values [B, K, ...]."""
+        if self.index is None:
+            return values
+        idx = self.index.view(*self.index.shape, *([1] * (x.dim() - 2)))
+        return x.scatter(1, idx.expand(-1, -1, *x.shape[2:]), values)
+
+    def processed_mask(self) -> Tensor:
+        """[B, L] bool: True where the token ran the layer."""
+        if self.index is None:
+            raise RuntimeError("processed_mask of a full selection needs the batch shape")
+        mask = torch.zeros(self.index.shape[0], self.length, dtype=torch.bool, device=self.index.device)
+        src = self.valid if self.valid is not None else torch.ones_like(self.index, dtype=torch.bool)
+        return mask.scatter(1, self.index, src)
+
+
+def select_tokens(keys: Tensor, layout: TokenLayout, capacity: float) -> Selection:
+    """Protected tokens plus, per row, the k = ceil(capacity * n_routable) routable tokens with the
+    highest `keys` [B, L]; original order kept. No loop over rows or tokens."""
+    batch, length = layout.shape
+    k, total = layout.budget(capacity)
+    if layout.num_prefix is not None:
+        p = layout.num_prefix
+        if total == length:
+            return Selection(index=None, valid=None, length=length)
+        top = keys[:, p:].topk(k, dim=1, sorted=False).indices.sort(dim=1).values + p
+        prefix = torch.arange(p, device=keys.device).expand(batch, p)
+        return Selection(index=torch.cat([prefix, top], dim=1), valid=None, length=length)
+
+    masked = keys.float().masked_fill(~layout.routable, float("-inf"))
+    order = masked.argsort(dim=1, descending=True, stable=True)
+    positions = torch.arange(length, device=keys.device).expand(batch, length)
+    rank = torch.empty_like(order).scatter_(1, order, positions)
+    processed = layout.protected | (layout.routable & (rank < k.unsqueeze(1)))
+    slot_key = torch.where(processed, positions, positions + length)
+    index = slot_key.topk(total, dim=1, largest=False, sorted=True).indices
+    valid = processed.gather(1, index)
+    return Selection(index=index, valid=valid, length=length)
