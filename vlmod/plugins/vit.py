@@ -87,7 +87,9 @@ class ViTAdapter:
             )
         return self._layouts[key]
 
-    def run(self, upstream: Callable, x_sel: Tensor, sel: Selection, args: tuple, kwargs: dict) -> Tensor:
+    def run(
+        self, upstream: Callable, x_sel: Tensor, sel: Selection, args: tuple, kwargs: dict, layer_idx: int
+    ) -> Tensor:
         args = list(args)
         args[0] = x_sel if self.batch_first else x_sel.transpose(0, 1)
         if self.mask_arg is not None:

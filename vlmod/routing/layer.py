@@ -34,7 +34,9 @@ class BlockAdapter(Protocol):
     def layout(self, part: MoDPart, x: Tensor, args: tuple, kwargs: dict) -> TokenLayout:
         """The token layout of this batch."""
 
-    def run(self, upstream: Callable, x_sel: Tensor, sel: Selection, args: tuple, kwargs: dict) -> Tensor:
+    def run(
+        self, upstream: Callable, x_sel: Tensor, sel: Selection, args: tuple, kwargs: dict, layer_idx: int
+    ) -> Tensor:
         """Call the upstream block on the selected tokens (masks, positions, caches gathered)."""
 
     def output(self, out: Tensor, args: tuple, kwargs: dict) -> Any:
@@ -103,7 +105,7 @@ class LayerRouting:
         keys = selection_keys(cfg.router, scores, layout, self.capacity, part.generator)
         sel = select_tokens(keys, layout, self.capacity)
         x_sel = sel.gather(x)
-        y_sel = adapter.run(upstream, x_sel, sel, args, kwargs)
+        y_sel = adapter.run(upstream, x_sel, sel, args, kwargs, self.layer_idx)
         g = gate(sel.gather(scores), cfg.gate, cfg.gate_alpha)
         # x + g (y - x), written as y + (g - 1)(y - x) so that g == 1 gives y bit for bit.
         new = y_sel if g is None else y_sel + (g - 1).unsqueeze(-1).to(y_sel.dtype) * (y_sel - x_sel)
