@@ -58,6 +58,8 @@ class MoDConfig:
         `vlmod.routing.schedule.layer_capacities`).
     aux_loss: None or "bce": binary cross-entropy of the router logit against top-k membership,
         which makes `sigmoid(r) > 0.5` a causal routing decision (MoD paper, sec. 3.5).
+    aux_loss_weight: weight of the aux loss when a LLaVA model adds it to its language-model loss.
+    seed: seed of the "random" router, reset at each forward (None: torch's global generator).
     """
 
     capacity: float = 0.5
@@ -69,6 +71,7 @@ class MoDConfig:
     gate_alpha: float = 0.2
     capacity_schedule: str | None = None
     aux_loss: str | None = None
+    aux_loss_weight: float = 0.01
     seed: int | None = field(default=None)
 
     def __post_init__(self) -> None:

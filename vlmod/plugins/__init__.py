@@ -23,6 +23,7 @@ class PartSpec:
     blocks: nn.ModuleList
     dim: int
     adapter: BlockAdapter
+    dense_layers: tuple[int, ...] = ()  # layers that must keep every token
 
 
 class Plugin(Protocol):
@@ -34,9 +35,9 @@ class Plugin(Protocol):
 
 
 def plugins() -> list[Plugin]:
-    from vlmod.plugins import hf_vision, open_clip, timm
+    from vlmod.plugins import hf_vision, llava, open_clip, timm
 
-    return [timm, open_clip, hf_vision]
+    return [llava, timm, open_clip, hf_vision]
 
 
 def supported_families() -> list[str]:

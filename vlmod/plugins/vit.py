@@ -7,7 +7,6 @@ which their plugin files supply.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -15,6 +14,7 @@ import torch
 from torch import Tensor
 
 from vlmod.config import MoDConfig, TokenType
+from vlmod.plugins.calls import ArgSlot
 from vlmod.routing.layer import MoDPart
 from vlmod.routing.selection import Selection, TokenLayout
 
@@ -41,12 +41,6 @@ def gather_attention_mask(mask: Tensor, sel: Selection) -> Tensor:
     return mask.squeeze(1) if squeeze_heads else mask
 
 
-def _param_position(fn: Callable, name: str) -> int | None:
-    params = [p for p in inspect.signature(fn).parameters.values() if p.name != "self"]
-    names = [p.name for p in params]
-    return names.index(name) if name in names else None
-
-
 class ViTAdapter:
     """Routes the patch tokens of a ViT block; prefix tokens (CLS, distill, registers) always run."""
 
@@ -61,8 +55,7 @@ class ViTAdapter:
         self.num_prefix = num_prefix
         self.image_routable = TokenType.IMAGE in config.routable_types
         self.batch_first = batch_first
-        self.mask_arg = mask_arg
-        self.mask_pos = _param_position(block_cls.forward, mask_arg) if mask_arg else None
+        self.mask = ArgSlot(block_cls.forward, mask_arg) if mask_arg else None
         self._layouts: dict[tuple[int, int, torch.device], TokenLayout] = {}
 
     def begin_forward(self, part: MoDPart, args: tuple, kwargs: dict) -> None:
@@ -90,13 +83,11 @@ class ViTAdapter:
     def run(
         self, upstream: Callable, x_sel: Tensor, sel: Selection, args: tuple, kwargs: dict, layer_idx: int
     ) -> Tensor:
-        args = list(args)
+        args, kwargs = list(args), dict(kwargs)
         args[0] = x_sel if self.batch_first else x_sel.transpose(0, 1)
-        if self.mask_arg is not None:
-            if self.mask_pos is not None and len(args) > self.mask_pos and args[self.mask_pos] is not None:
-                args[self.mask_pos] = gather_attention_mask(args[self.mask_pos], sel)
-            elif kwargs.get(self.mask_arg) is not None:
-                kwargs = {**kwargs, self.mask_arg: gather_attention_mask(kwargs[self.mask_arg], sel)}
+        mask = self.mask.get(args, kwargs) if self.mask is not None else None
+        if mask is not None:
+            self.mask.set(args, kwargs, gather_attention_mask(mask, sel))
         y = upstream(*args, **kwargs)
         return y if self.batch_first else y.transpose(0, 1)
 

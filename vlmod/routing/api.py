@@ -44,6 +44,15 @@ def apply_mod(model: nn.Module, config: MoDConfig, part: str | None = None) -> n
         )
     num_layers = len(spec.blocks)
     layers = config.resolve_layers(num_layers)
+    if isinstance(config.layers, str):
+        layers = [i for i in layers if i not in spec.dense_layers]
+    elif forced := sorted(set(layers) & set(spec.dense_layers)):
+        raise ValueError(
+            f"{spec.family} {spec.name} layer(s) {forced} must stay dense: transformers sizes the "
+            "causal mask and positions of every layer from layer 0's KV cache"
+        )
+    if not layers:
+        raise ValueError(f"layers={config.layers!r} leaves no layer to convert in this {spec.name} part")
     capacities = layer_capacities(config.capacity, layers, num_layers, config.capacity_schedule)
     part_obj = MoDPart(
         name=spec.name,
@@ -68,7 +77,26 @@ def apply_mod(model: nn.Module, config: MoDConfig, part: str | None = None) -> n
             lambda _m, args, kwargs: part_obj.begin_forward(args, kwargs), with_kwargs=True
         )
     )
+    end_forward = getattr(spec.adapter, "end_forward", None)
+    if end_forward is not None:
+        part_obj.hooks.append(spec.entry.register_forward_hook(lambda _m, _a, out: end_forward(part_obj, out)))
+    _store_settings(model)
     return model
+
+
+def _store_settings(model: nn.Module) -> None:
+    """Keep the MoD settings in a Hugging Face config (saved under `vlmod` in config.json)."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_json_string"):
+        return
+    parts = {
+        p.name: {**p.config.to_dict(), "layers": sorted(p.capacities)}
+        for p in find_parts(model)
+    }
+    if parts:
+        config.vlmod = parts
+    elif hasattr(config, "vlmod"):
+        del config.vlmod
 
 
 def remove_mod(model: nn.Module) -> nn.Module:
@@ -85,6 +113,7 @@ def remove_mod(model: nn.Module) -> nn.Module:
         for hook in part.hooks:
             hook.remove()
         del part.root.__dict__[PART_ATTR]
+    _store_settings(model)
     return model
 
 

@@ -104,6 +104,9 @@ class LayerRouting:
         scores = part.router_for(self.layer_idx)(x)
         keys = selection_keys(cfg.router, scores, layout, self.capacity, part.generator)
         sel = select_tokens(keys, layout, self.capacity)
+        if sel.index is not None and sel.index.shape[1] == 0:
+            part.record(self.layer_idx, sel, scores, layout)
+            return adapter.output(x, args, kwargs)
         x_sel = sel.gather(x)
         y_sel = adapter.run(upstream, x_sel, sel, args, kwargs, self.layer_idx)
         g = gate(sel.gather(scores), cfg.gate, cfg.gate_alpha)

@@ -30,6 +30,9 @@ class TokenLayout:
     routable: Tensor  # [B, L] bool
     protected: Tensor  # [B, L] bool: real tokens that always run
     num_prefix: int | None = None
+    # Decode steps with routable text: a token runs iff its router logit is > 0 (the causal
+    # predictor trained by aux_loss="bce"), since it cannot be ranked against future tokens.
+    threshold: bool = False
     _budgets: dict[float, tuple[Tensor | int, int]] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -126,21 +129,30 @@ def select_tokens(keys: Tensor, layout: TokenLayout, capacity: float) -> Selecti
     """Protected tokens plus, per row, the k = ceil(capacity * n_routable) routable tokens with the
     highest `keys` [B, L]; original order kept. No loop over rows or tokens."""
     batch, length = layout.shape
-    k, total = layout.budget(capacity)
     if layout.num_prefix is not None:
         p = layout.num_prefix
+        k, total = layout.budget(capacity)
         if total == length:
             return Selection(index=None, valid=None, length=length)
         top = keys[:, p:].topk(k, dim=1, sorted=False).indices.sort(dim=1).values + p
         prefix = torch.arange(p, device=keys.device).expand(batch, p)
         return Selection(index=torch.cat([prefix, top], dim=1), valid=None, length=length)
 
+    positions = torch.arange(length, device=keys.device).expand(batch, length)
+    if layout.threshold:
+        processed = layout.protected | (layout.routable & (keys > 0))
+        return _ordered_selection(processed, positions, int(processed.sum(1).max()))
     masked = keys.float().masked_fill(~layout.routable, float("-inf"))
     order = masked.argsort(dim=1, descending=True, stable=True)
-    positions = torch.arange(length, device=keys.device).expand(batch, length)
     rank = torch.empty_like(order).scatter_(1, order, positions)
+    k, total = layout.budget(capacity)
     processed = layout.protected | (layout.routable & (rank < k.unsqueeze(1)))
+    return _ordered_selection(processed, positions, total)
+
+
+def _ordered_selection(processed: Tensor, positions: Tensor, total: int) -> Selection:
+    """The `total` slots per row: processed positions ascending, then skipped ones as filler."""
+    length = processed.shape[1]
     slot_key = torch.where(processed, positions, positions + length)
     index = slot_key.topk(total, dim=1, largest=False, sorted=True).indices
-    valid = processed.gather(1, index)
-    return Selection(index=index, valid=valid, length=length)
+    return Selection(index=index, valid=processed.gather(1, index), length=length)

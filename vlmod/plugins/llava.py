@@ -1,0 +1,272 @@
+"""Hugging Face LLaVA families (transformers 5.x): the language backbone, and the vision tower
+through the HF vision plugin.
+
+Token types are computed above the language model, in a pre-hook of the top-level model (which
+sees `input_ids`, `labels`, the 2D attention mask and the cache), so `generate()` runs
+unchanged. Each MoD decoder layer then gets the gathered hidden states with their original
+position ids and RoPE cos/sin, and a mask of its own: causal by original position over the
+tokens this layer processed, this layer's cached tokens included. A MoD layer's KV cache holds
+only the tokens it processed.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from vlmod.config import MoDConfig, TokenType
+from vlmod.plugins import PartSpec, hf_vision
+from vlmod.plugins.calls import ArgSlot
+from vlmod.routing.layer import MoDPart
+from vlmod.routing.selection import Selection, TokenLayout
+
+FAMILIES = (
+    "Hugging Face LlavaForConditionalGeneration",
+    "LlavaNextForConditionalGeneration",
+    "LlavaNextVideoForConditionalGeneration",
+    "LlavaOnevisionForConditionalGeneration (Llama, Mistral or Qwen2 text backbones)",
+)
+TEXT_BACKBONES = ("LlamaModel", "MistralModel", "Qwen2Model")
+ATTENTION = ("eager", "sdpa", "flash_attention_2")
+IGNORE_INDEX = -100
+
+
+def _classes() -> tuple[type, ...]:
+    import transformers as tf
+
+    names = (
+        "LlavaForConditionalGeneration",
+        "LlavaNextForConditionalGeneration",
+        "LlavaNextVideoForConditionalGeneration",
+        "LlavaOnevisionForConditionalGeneration",
+    )
+    return tuple(getattr(tf, n) for n in names if hasattr(tf, n))
+
+
+def matches(model: nn.Module) -> bool:
+    return isinstance(model, _classes())
+
+
+def part_spec(model: nn.Module, part: str | None, config: MoDConfig) -> PartSpec:
+    part = part or "language"
+    if part == "vision":
+        tower = model.model.vision_tower
+        if not hf_vision.matches(tower):
+            raise TypeError(
+                f"this model's vision tower is a {type(tower).__name__}; vlmod converts CLIP and "
+                "SigLIP towers"
+            )
+        return hf_vision.part_spec(tower, "vision", config)
+    if part != "language":
+        raise ValueError(f"part must be 'language' or 'vision' for {type(model).__name__}, got {part!r}")
+    lm = model.model.language_model
+    if type(lm).__name__ not in TEXT_BACKBONES:
+        raise TypeError(
+            f"the text backbone is a {type(lm).__name__}; vlmod supports {', '.join(TEXT_BACKBONES)}"
+        )
+    for i, layer in enumerate(lm.layers):
+        if getattr(layer, "attention_type", "full_attention") != "full_attention":
+            raise ValueError(
+                f"language layer {i} uses {layer.attention_type}; vlmod routes full-attention layers only"
+            )
+    return PartSpec(
+        name="language",
+        family="llava",
+        root=lm,
+        entry=model,
+        blocks=lm.layers,
+        dim=lm.config.hidden_size,
+        adapter=DecoderAdapter(model, type(lm.layers[0]), config),
+        # transformers sizes the causal mask and default positions of every layer from layer 0's
+        # cache, so layer 0 keeps every token.
+        dense_layers=(0,),
+    )
+
+
+@dataclass
+class _Batch:
+    """What the current forward's MoD layers share."""
+
+    layout: TokenLayout
+    positions: Tensor  # [B, L] absolute index in the (padded) sequence: orders keys causally
+
+
+class DecoderAdapter:
+    """Calls a LLaVA decoder layer on the routed tokens."""
+
+    def __init__(self, model: nn.Module, layer_cls: type, config: MoDConfig):
+        self.model = model
+        self.config = config
+        self.text_config = model.model.language_model.config
+        self.image_token_id = getattr(model.config, "image_token_id", None)
+        self.video_token_id = getattr(model.config, "video_token_id", None)
+        fwd = layer_cls.forward
+        self.mask_arg = ArgSlot(fwd, "attention_mask")
+        self.position_ids_arg = ArgSlot(fwd, "position_ids")
+        self.rope_arg = ArgSlot(fwd, "position_embeddings")
+        self.cache_arg = ArgSlot(fwd, "past_key_values")
+        self.entry_params = [
+            p for p in inspect.signature(type(model).forward).parameters if p != "self"
+        ]
+        self.batch: _Batch | None = None
+        # Per MoD layer: absolute positions and validity of the slots in its KV cache.
+        self.cache_slots: dict[int, tuple[Tensor, Tensor]] = {}
+
+    # -- token types, once per forward -------------------------------------------------------
+
+    def token_types(self, kwargs: dict, past_length: int) -> Tensor:
+        input_ids = kwargs.get("input_ids")
+        embeds = kwargs.get("inputs_embeds")
+        if input_ids is not None:
+            is_image = input_ids == self.image_token_id
+            is_video = input_ids == self.video_token_id if self.video_token_id is not None else None
+            ref = input_ids
+        elif embeds is not None:
+            table = self.model.get_input_embeddings()
+            is_image = self._matches_token(embeds, table, self.image_token_id)
+            is_video = self._matches_token(embeds, table, self.video_token_id)
+            ref = embeds[..., 0]
+        else:
+            raise ValueError("the model was called with neither input_ids nor inputs_embeds")
+        batch, length = ref.shape
+        text = TokenType.RESPONSE if past_length > 0 else TokenType.INSTRUCTION
+        types = torch.full((batch, length), int(text), dtype=torch.long, device=ref.device)
+        labels = kwargs.get("labels")
+        if labels is not None and past_length == 0:
+            if labels.shape != (batch, length):
+                raise ValueError(
+                    f"labels have shape {tuple(labels.shape)} but the inputs have {(batch, length)}; "
+                    "give one label per input token (-100 where no loss is wanted)"
+                )
+            types = torch.where(labels.to(ref.device) != IGNORE_INDEX, int(TokenType.RESPONSE), types)
+        types = types.masked_fill(is_image, int(TokenType.IMAGE))
+        if is_video is not None:
+            types = types.masked_fill(is_video, int(TokenType.VIDEO))
+        mask = kwargs.get("attention_mask")
+        if mask is not None and mask.dim() == 2:
+            types = types.masked_fill(mask[:, -length:].to(ref.device) == 0, int(TokenType.PADDING))
+        return types
+
+    @staticmethod
+    def _matches_token(embeds: Tensor, table: nn.Module, token_id: int | None) -> Tensor | None:
+        if token_id is None:
+            return None
+        ref = table(torch.tensor(token_id, device=embeds.device)).to(embeds.dtype)
+        return (embeds == ref).all(-1)
+
+    def begin_forward(self, part: MoDPart, args: tuple, kwargs: dict) -> None:
+        if args:
+            kwargs = {**dict(zip(self.entry_params, args)), **kwargs}
+        cache = kwargs.get("past_key_values")
+        past_length = int(cache.get_seq_length(0)) if cache is not None else 0
+        types = self.token_types(kwargs, past_length)
+        routable = part.config.routable_types
+        decoding = past_length > 0
+        if decoding and TokenType.RESPONSE in routable and part.config.aux_loss != "bce":
+            # A decode token cannot be ranked against tokens not yet generated: without the
+            # causal predictor it always runs.
+            routable = tuple(t for t in routable if t != TokenType.RESPONSE)
+        threshold = decoding and TokenType.RESPONSE in routable
+        layout = TokenLayout.from_types(types, routable, () if threshold else part.capacities.values())
+        layout.threshold = threshold
+        length = types.shape[1]
+        positions = torch.arange(past_length, past_length + length, device=types.device).expand_as(types)
+        self.batch = _Batch(layout=layout, positions=positions)
+
+    def end_forward(self, part: MoDPart, output: Any) -> Any:
+        loss = getattr(output, "loss", None)
+        if loss is not None and part.config.aux_loss and part.aux_losses:
+            aux = torch.stack(list(part.aux_losses.values())).mean()
+            output["loss"] = loss + part.config.aux_loss_weight * aux.to(loss.dtype)
+        return output
+
+    # -- per layer ---------------------------------------------------------------------------
+
+    def hidden_states(self, args: tuple, kwargs: dict) -> Tensor:
+        return args[0] if args else kwargs["hidden_states"]
+
+    def layout(self, part: MoDPart, x: Tensor, args: tuple, kwargs: dict) -> TokenLayout:
+        if self.batch is None or self.batch.layout.shape != tuple(x.shape[:2]):
+            raise RuntimeError(
+                "MoD language layers need the token types computed by the top-level model: call the "
+                f"{type(self.model).__name__} itself (or generate), not its inner language model"
+            )
+        return self.batch.layout
+
+    def run(
+        self, upstream: Callable, x_sel: Tensor, sel: Selection, args: tuple, kwargs: dict, layer_idx: int
+    ) -> Tensor:
+        args, kwargs = list(args), dict(kwargs)
+        if args:
+            args[0] = x_sel
+        else:
+            kwargs["hidden_states"] = x_sel
+        batch = x_sel.shape[0]
+        position_ids = self.position_ids_arg.get(args, kwargs)
+        if position_ids is not None:
+            self.position_ids_arg.set(args, kwargs, sel.gather(position_ids.expand(batch, -1)))
+        rope = self.rope_arg.get(args, kwargs)
+        if rope is not None:
+            cos, sin = rope
+            self.rope_arg.set(
+                args, kwargs, (sel.gather(cos.expand(batch, *cos.shape[1:])), sel.gather(sin.expand(batch, *sin.shape[1:])))
+            )
+        query_pos = sel.gather(self.batch.positions)
+        query_valid = sel.valid if sel.valid is not None else torch.ones_like(query_pos, dtype=torch.bool)
+        key_pos, key_valid = self._cached_keys(layer_idx, self.cache_arg.get(args, kwargs), query_pos, query_valid)
+        self.mask_arg.set(args, kwargs, self._mask(query_pos, key_pos, key_valid, x_sel.dtype))
+        return upstream(*args, **kwargs)
+
+    def _cached_keys(
+        self, layer_idx: int, cache: Any, query_pos: Tensor, query_valid: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """Positions and validity of every key this layer's attention will see: its cached slots
+        (trimmed to the cache's real length, which also covers recomputation and resets) and the
+        current queries, which the upstream attention appends to the cache."""
+        if cache is None:
+            return query_pos, query_valid
+        cached = int(cache.get_seq_length(layer_idx))
+        prev = self.cache_slots.get(layer_idx)
+        if cached == 0 or prev is None:
+            key_pos, key_valid = query_pos, query_valid
+        else:
+            if prev[0].shape[1] < cached:
+                raise RuntimeError(
+                    f"the KV cache of MoD layer {layer_idx} holds {cached} tokens that vlmod did not route; "
+                    "start generation from an empty cache"
+                )
+            key_pos = torch.cat([prev[0][:, :cached], query_pos], dim=1)
+            key_valid = torch.cat([prev[1][:, :cached], query_valid], dim=1)
+        self.cache_slots[layer_idx] = (key_pos, key_valid)
+        return key_pos, key_valid
+
+    def _mask(self, query_pos: Tensor, key_pos: Tensor, key_valid: Tensor, dtype: torch.dtype) -> Tensor | None:
+        impl = self.text_config._attn_implementation
+        if impl == "flash_attention_2":
+            # Processed tokens keep their order and the cache precedes the queries, so flash's
+            # bottom-right causal alignment is right; the 2D mask drops the filler slots.
+            return key_valid.long()
+        n_query, n_key = query_pos.shape[1], key_pos.shape[1]
+        allowed = (key_pos[:, None, :] <= query_pos[:, :, None]) & key_valid[:, None, :]
+        # A filler query (a row with fewer processed tokens) sees at least itself, so its softmax
+        # stays finite; its output is discarded.
+        own = torch.arange(n_key, device=key_pos.device) == (
+            torch.arange(n_query, device=key_pos.device)[:, None] + (n_key - n_query)
+        )
+        allowed = (allowed | own).unsqueeze(1)
+        if impl == "sdpa":
+            return allowed
+        if impl == "eager":
+            zero = torch.zeros((), dtype=dtype, device=allowed.device)
+            return torch.where(allowed, zero, torch.finfo(dtype).min)
+        raise ValueError(
+            f"attention implementation {impl!r} is not supported by MoD layers; use one of {ATTENTION}"
+        )
+
+    def output(self, out: Tensor, args: tuple, kwargs: dict) -> Any:
+        return out
