@@ -1,6 +1,7 @@
 """vlmod: Mixture-of-Depths routing for existing vision-language models."""
 
 from vlmod.config import MoDConfig, TokenType
+from vlmod.hf import load_pretrained
 from vlmod.routing import apply_mod, mod_layers, remove_mod, router_aux_loss, trace_routing
 
 __version__ = "0.1.0"
@@ -9,6 +10,7 @@ __all__ = [
     "MoDConfig",
     "TokenType",
     "apply_mod",
+    "load_pretrained",
     "mod_layers",
     "remove_mod",
     "router_aux_loss",

@@ -14,10 +14,15 @@ FAMILIES = ("Hugging Face CLIPVisionModel", "Hugging Face SiglipVisionModel")
 def _towers() -> dict[type, int]:
     """Supported tower classes and their number of prefix tokens."""
     from transformers import CLIPVisionModel, SiglipVisionModel
-    from transformers.models.clip.modeling_clip import CLIPVisionTransformer
-    from transformers.models.siglip.modeling_siglip import SiglipVisionTransformer
+    from transformers.models.clip import modeling_clip
+    from transformers.models.siglip import modeling_siglip
 
-    return {CLIPVisionModel: 1, CLIPVisionTransformer: 1, SiglipVisionModel: 0, SiglipVisionTransformer: 0}
+    towers = {CLIPVisionModel: 1, SiglipVisionModel: 0}
+    # Older transformers wrap the encoder in a *VisionTransformer inside the model.
+    for module, name, prefix in ((modeling_clip, "CLIPVisionTransformer", 1), (modeling_siglip, "SiglipVisionTransformer", 0)):
+        if hasattr(module, name):
+            towers[getattr(module, name)] = prefix
+    return towers
 
 
 def matches(model: nn.Module) -> bool:
