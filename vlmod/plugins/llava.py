@@ -161,7 +161,7 @@ class DecoderAdapter:
 
     def begin_forward(self, part: MoDPart, args: tuple, kwargs: dict) -> None:
         if args:
-            kwargs = {**dict(zip(self.entry_params, args)), **kwargs}
+            kwargs = {**dict(zip(self.entry_params, args, strict=False)), **kwargs}
         cache = kwargs.get("past_key_values")
         past_length = int(cache.get_seq_length(0)) if cache is not None else 0
         types = self.token_types(kwargs, past_length)

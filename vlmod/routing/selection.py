@@ -80,7 +80,7 @@ class TokenLayout:
         n_protected = self.protected.sum(1)
         ks = [capacity_to_k_tensor(c, n_routable) for c in caps]
         totals = torch.stack([(k + n_protected).max() for k in ks]).tolist()
-        for c, k, total in zip(caps, ks, totals):
+        for c, k, total in zip(caps, ks, totals, strict=True):
             self._budgets[c] = (k, int(total))
 
     def budget(self, capacity: float) -> tuple[Tensor | int, int]:

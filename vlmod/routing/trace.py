@@ -90,5 +90,5 @@ def trace_routing(model: nn.Module) -> Iterator[RoutingTrace]:
     try:
         yield trace
     finally:
-        for p, prev in zip(parts, previous):
+        for p, prev in zip(parts, previous, strict=True):
             p.trace = prev
