@@ -172,7 +172,7 @@ def test_training_loss_aux_and_checkpointing():
     assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
 
     model.zero_grad()
-    model.gradient_checkpointing_enable()
+    model.activation_checkpointing_enable()
     out_ckpt = model(**inputs, labels=labels)
     assert torch.allclose(out_ckpt.loss, out.loss, atol=1e-6)
     out_ckpt.loss.backward()

@@ -72,14 +72,9 @@ def apply_mod(model: nn.Module, config: MoDConfig, part: str | None = None) -> n
         block.__class__ = mod_class(type(block))
         setattr(block, LAYER_ATTR, LayerRouting(part_obj, i, capacities[i]))
     spec.root.__dict__[PART_ATTR] = part_obj
-    part_obj.hooks.append(
-        spec.entry.register_forward_pre_hook(
-            lambda _m, args, kwargs: part_obj.begin_forward(args, kwargs), with_kwargs=True
-        )
-    )
-    end_forward = getattr(spec.adapter, "end_forward", None)
-    if end_forward is not None:
-        part_obj.hooks.append(spec.entry.register_forward_hook(lambda _m, _a, out: end_forward(part_obj, out)))
+    # Bound methods, not closures: a deepcopy of the model then gets hooks of its own part.
+    part_obj.hooks.append(spec.entry.register_forward_pre_hook(part_obj.pre_hook, with_kwargs=True))
+    part_obj.hooks.append(spec.entry.register_forward_hook(part_obj.post_hook))
     _store_settings(model)
     return model
 

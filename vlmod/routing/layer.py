@@ -62,13 +62,21 @@ class MoDPart:
     generator: torch.Generator | None = None
     hooks: list = field(default_factory=list)
 
-    def begin_forward(self, args: tuple, kwargs: dict) -> None:
-        if self.config.seed is not None and self.config.router == "random":
-            device = next(self.root.parameters()).device
-            if self.generator is None or self.generator.device != device:
-                self.generator = torch.Generator(device=device)
-            self.generator.manual_seed(self.config.seed)
+    def pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         self.adapter.begin_forward(self, args, kwargs)
+
+    def post_hook(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        end_forward = getattr(self.adapter, "end_forward", None)
+        return output if end_forward is None else end_forward(self, output)
+
+    def random_generator(self, layer_idx: int, device: torch.device) -> torch.Generator | None:
+        """The seeded generator of the "random" router, reset per layer from (seed, layer), so a
+        forward, its rerun under gradient checkpointing and every later forward draw alike."""
+        if self.config.seed is None:
+            return None
+        if self.generator is None or self.generator.device != device:
+            self.generator = torch.Generator(device=device)
+        return self.generator.manual_seed(self.config.seed * 1_000_003 + layer_idx)
 
     def router_for(self, layer_idx: int) -> Router:
         owner = self.root if self.config.share_router else self.blocks[layer_idx]
@@ -102,7 +110,8 @@ class LayerRouting:
         x = adapter.hidden_states(args, kwargs)
         layout = adapter.layout(part, x, args, kwargs)
         scores = part.router_for(self.layer_idx)(x)
-        keys = selection_keys(cfg.router, scores, layout, self.capacity, part.generator)
+        generator = part.random_generator(self.layer_idx, x.device) if cfg.router == "random" else None
+        keys = selection_keys(cfg.router, scores, layout, self.capacity, generator)
         sel = select_tokens(keys, layout, self.capacity)
         if sel.index is not None and sel.index.shape[1] == 0:
             part.record(self.layer_idx, sel, scores, layout)
