@@ -1,0 +1,412 @@
+"""Benchmarks: does MoD's FLOP reduction turn into wall-clock speed?
+
+Each benchmark measures a dense model and its MoD conversion on the same inputs and sets the
+measured speedup against the FLOPs prediction of `vlmod.flops`; `efficiency` = measured /
+predicted is the number to watch (1.0: routing costs nothing beyond the blocks it skips).
+
+The helpers at the top (timing, JSON output, tables) are shared by every benchmark
+(`bench_vit` here; LLaVA and video benchmarks plug in next to it).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import vlmod
+from vlmod.flops import ViTDims, processed_counts, vit_flops
+
+SOURCES = ("timm", "open_clip")
+
+
+class InputError(ValueError):
+    """A benchmark was asked for something that cannot be run (unknown model, capacity outside
+    (0, 1], layer out of range). The CLI reports it as one `error:` line; a ValueError from
+    deeper down is a bug and keeps its traceback."""
+
+
+# ----------------------------------------------------------------------------- shared helpers
+
+
+@dataclass
+class Timings:
+    """Wall-clock and CPU seconds of each timed call of one function."""
+
+    wall_s: list[float] = field(default_factory=list)
+    cpu_s: list[float] = field(default_factory=list)
+    threads: int = 1
+
+    @property
+    def utilization(self) -> list[float]:
+        """CPU seconds / (wall seconds * threads) per call: about 1 when the process had all the
+        cores it asked for, well below 1 when other jobs took some."""
+        return [
+            c / (w * self.threads) if w > 0 else 0.0 for w, c in zip(self.wall_s, self.cpu_s, strict=True)
+        ]
+
+    def median(self, repeats: Sequence[int] | None = None) -> float:
+        """Median wall seconds over all calls, or over the calls numbered in `repeats`."""
+        picked = self.wall_s if repeats is None else [self.wall_s[i] for i in repeats]
+        return statistics.median(picked)
+
+
+# A repeat counts as uncontended when every function in it got at least this share of its
+# threads' CPU time. Measured on the 2-core dev machine: 0.94-1.0 alone, 0.35-0.6 with one
+# other busy process.
+MIN_UTILIZATION = 0.8
+
+
+def time_interleaved(
+    fns: Mapping[str, Callable[[], Any]],
+    warmup: int = 3,
+    repeats: int = 10,
+    progress: str | None = None,
+) -> dict[str, Timings]:
+    """Time each function in `fns` `repeats` times, under `torch.inference_mode`.
+
+    The functions take turns within each repeat, and the order is reversed on every other repeat
+    (A B, B A, A B, ...). Why: a benchmark compares them, and a machine shared with other jobs
+    drifts (load, thermal state, caches) over seconds; interleaving puts slow drifts on all of
+    them alike, and reversing cancels any advantage of running first or second. Take medians:
+    they ignore the occasional call hit by an outside burst.
+
+    Interleaving does not make sustained contention fair, though: when another process holds a
+    core, a multi-threaded torch forward loses far more than that core's share (every parallel
+    region waits for its slowest thread), and a model made of many small ops (a MoD model) loses
+    more than one made of fewer large ones. So CPU time is recorded too, and
+    `uncontended_repeats` finds the repeats that ran with the CPU they asked for.
+
+    warmup: untimed calls of each function first (allocator, oneDNN kernel selection, caches:
+        the first 2-3 forwards of a ViT are several times slower).
+    progress: a tqdm description, or None for no progress bar.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if warmup < 0:
+        raise ValueError(f"warmup must be >= 0, got {warmup}")
+    names = list(fns)
+    threads = torch.get_num_threads()
+    timings = {name: Timings(threads=threads) for name in names}
+    with torch.inference_mode():
+        for _ in range(warmup):
+            for name in names:
+                fns[name]()
+        steps: Any = range(repeats)
+        if progress is not None:
+            from tqdm.auto import tqdm
+
+            steps = tqdm(steps, desc=progress, unit="rep", leave=False)
+        for rep in steps:
+            for name in names if rep % 2 == 0 else names[::-1]:
+                cpu = time.process_time()
+                wall = time.perf_counter()
+                fns[name]()
+                wall = time.perf_counter() - wall
+                cpu = time.process_time() - cpu
+                timings[name].wall_s.append(wall)
+                timings[name].cpu_s.append(cpu)
+    return timings
+
+
+def uncontended_repeats(
+    timings: Mapping[str, Timings], min_utilization: float = MIN_UTILIZATION
+) -> list[int]:
+    """Indices of the repeats in which every function ran with at least `min_utilization` of its
+    threads' CPU time (see `time_interleaved`)."""
+    utils = [t.utilization for t in timings.values()]
+    repeats = min(len(u) for u in utils)
+    return [i for i in range(repeats) if all(u[i] >= min_utilization for u in utils)]
+
+
+def robust_repeats(timings: Mapping[str, Timings]) -> tuple[list[int], bool]:
+    """The repeats to take medians over, and whether the machine was busy.
+
+    The uncontended repeats when there are enough of them (at least 3 and a quarter of all),
+    else all repeats, flagged as contended: their ratio is biased (against the model with more,
+    smaller ops) and should not be trusted.
+    """
+    repeats = min(len(t.wall_s) for t in timings.values())
+    clean = uncontended_repeats(timings)
+    if len(clean) == repeats or len(clean) >= max(3, repeats / 4):
+        return clean, False
+    return list(range(repeats)), True
+
+
+def time_fn(fn: Callable[[], Any], warmup: int = 3, repeats: int = 10) -> float:
+    """Median seconds per call of one function (see `time_interleaved`)."""
+    return time_interleaved({"fn": fn}, warmup, repeats)["fn"].median()
+
+
+def write_json(path: str | os.PathLike[str], data: Any) -> None:
+    """Write `data` as JSON atomically: a temp file in the same directory, then `os.replace`, so a
+    reader (or a crash mid-write) never sees a half-written file, and an old result is replaced
+    only by a complete new one."""
+    path = Path(path)
+    directory = path.parent if str(path.parent) else Path(".")
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        # mkstemp creates the file 0600; give it the mode a plain open() would have.
+        os.chmod(tmp, _default_file_mode())
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2, sort_keys=False)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def _default_file_mode() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def load_average() -> list[float] | None:
+    """The 1/5/15-minute load averages, or None where the OS has none. Stored with each result:
+    a benchmark on a machine other jobs are using reads differently (see `time_interleaved`)."""
+    try:
+        return [round(v, 2) for v in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A plain-text table: first column left-aligned, the others right-aligned."""
+    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+
+    def line(row: Sequence[str]) -> str:
+        return "  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        ).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(cells[0]), rule, *(line(r) for r in cells[1:])])
+
+
+def parse_layers(spec: str | Sequence[int]) -> str | list[int]:
+    """`--layers` value: "every_other", "all" or a comma list of layer indices ("1,3,-1")."""
+    if not isinstance(spec, str):
+        return list(spec)
+    spec = spec.strip()
+    if spec in ("every_other", "all"):
+        return spec
+    try:
+        layers = [int(part) for part in spec.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(
+            f"layers must be 'every_other', 'all' or a comma list of layer indices, got {spec!r}"
+        ) from None
+    if not layers:
+        raise ValueError("layers is empty: name at least one layer to convert")
+    return layers
+
+
+def _set_threads(threads: int | None) -> int:
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
+    return torch.get_num_threads()
+
+
+# ----------------------------------------------------------------------------- ViT
+
+
+def build_vit(model_name: str, source: str = "timm", image_size: int | None = None) -> nn.Module:
+    """A randomly initialised ViT image encoder, in eval mode (no weights are downloaded:
+    timing and FLOPs do not depend on the weights)."""
+    if source == "timm":
+        import timm
+
+        if not timm.is_model(model_name):
+            close = timm.list_models(f"*{model_name}*")[:5]
+            hint = f"; similar: {', '.join(close)}" if close else ""
+            raise ValueError(f"unknown timm model {model_name!r}{hint}")
+        kwargs: dict[str, Any] = {} if image_size is None else {"img_size": image_size}
+        model = timm.create_model(model_name, pretrained=False, **kwargs)
+    elif source == "open_clip":
+        import open_clip
+
+        if model_name not in open_clip.list_models():
+            raise ValueError(
+                f"unknown open_clip model {model_name!r}; see open_clip.list_models() (e.g. ViT-B-16)"
+            )
+        kwargs = {} if image_size is None else {"force_image_size": image_size}
+        model = open_clip.create_model(model_name, pretrained=None, **kwargs).visual
+    else:
+        raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
+    return model.eval()
+
+
+def _input_size(model: nn.Module, source: str) -> tuple[int, int, int]:
+    if source == "timm":
+        proj = model.patch_embed.proj
+        return (proj.in_channels, *model.patch_embed.img_size)
+    size = model.image_size
+    size = (size, size) if isinstance(size, int) else tuple(size)
+    return (model.conv1.in_channels, *size)
+
+
+def bench_vit(
+    model_name: str,
+    source: str = "timm",
+    batch: int = 8,
+    capacity: float = 0.125,
+    layers: str | Sequence[int] = "every_other",
+    image_size: int | None = None,
+    warmup: int = 3,
+    repeats: int = 10,
+    threads: int | None = None,
+    seed: int = 0,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Images/s of a dense ViT and of its MoD conversion on one random batch, against the FLOPs
+    prediction.
+
+    The MoD copy is `vlmod.apply_mod(copy.deepcopy(dense), MoDConfig(capacity, layers))` with its
+    fresh zero router: routing cost does not depend on the router's weights, and the trace gives
+    the token counts actually processed at each MoD layer. Returns a JSON-able dict.
+    """
+    try:
+        # Validate the cheap inputs before building a model.
+        config = vlmod.MoDConfig(capacity=capacity, layers=parse_layers(layers))
+        if batch < 1:
+            raise ValueError(f"batch must be >= 1, got {batch}")
+        if repeats < 1 or warmup < 0:
+            raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
+        num_threads = _set_threads(threads)
+        torch.manual_seed(seed)
+        dense = build_vit(model_name, source, image_size)
+        mod = vlmod.apply_mod(copy.deepcopy(dense), config)
+    except (ValueError, TypeError) as e:
+        raise InputError(str(e)) from e
+
+    channels, height, width = _input_size(dense, source)
+    generator = torch.Generator().manual_seed(seed)
+    images = torch.randn(batch, channels, height, width, generator=generator)
+
+    with torch.inference_mode(), vlmod.trace_routing(mod) as trace:
+        mod(images)
+    counts = processed_counts(trace.processed)
+    dims = ViTDims.from_model(dense)
+    dense_flops = vit_flops(dims)
+    mod_flops = vit_flops(dims, counts)
+
+    load_before = load_average()
+    timings = time_interleaved(
+        {"dense": lambda: dense(images), "mod": lambda: mod(images)},
+        warmup=warmup,
+        repeats=repeats,
+        progress=f"{model_name} dense/MoD" if progress else None,
+    )
+    used, contended = robust_repeats(timings)
+
+    def variant(name: str, flops: float) -> dict[str, Any]:
+        t = timings[name]
+        latency = t.median(used)
+        return {
+            "images_per_s": batch / latency,
+            "latency_s": latency,
+            "flops_per_image": flops,
+            "latency_samples_s": t.wall_s,
+            "cpu_utilization": [round(u, 3) for u in t.utilization],
+        }
+
+    result_dense = variant("dense", dense_flops)
+    result_mod = variant("mod", mod_flops)
+    predicted = dense_flops / mod_flops
+    speedup = result_mod["images_per_s"] / result_dense["images_per_s"]
+    # Second estimate: the median of per-repeat ratios. Each ratio compares two runs made seconds
+    # apart, so it is less sensitive to slow drift than the ratio of the two medians.
+    paired = statistics.median(timings["dense"].wall_s[i] / timings["mod"].wall_s[i] for i in used)
+    return {
+        "benchmark": "vit",
+        "model": model_name,
+        "source": source,
+        "batch": batch,
+        "image_size": [height, width],
+        "capacity": capacity,
+        "layers": config.layers if isinstance(config.layers, str) else list(config.layers),
+        "mod_layers": sorted(counts),
+        "tokens": dims.num_tokens,
+        "processed_tokens": {str(i): c for i, c in counts.items()},
+        "dense": result_dense,
+        "mod": result_mod,
+        "predicted_speedup": predicted,
+        "speedup": speedup,
+        "efficiency": speedup / predicted,
+        "speedup_paired": paired,
+        "warmup": warmup,
+        "repeats": repeats,
+        # Medians are over these repeats: the ones where both models had their CPU (see
+        # `robust_repeats`); `contended` means there were too few and the result is unreliable.
+        "timed_repeats": used,
+        "contended": contended,
+        "torch": torch.__version__,
+        "threads": num_threads,
+        "load_average": {"before": load_before, "after": load_average()},
+    }
+
+
+def format_vit_result(result: Mapping[str, Any]) -> str:
+    """The plain-text report of `bench_vit`."""
+    rows = []
+    for name, label in (("dense", "dense"), ("mod", "MoD")):
+        r = result[name]
+        rows.append(
+            [
+                label,
+                f"{r['images_per_s']:.2f}",
+                f"{r['latency_s'] * 1e3:.1f}",
+                f"{r['flops_per_image'] / 1e9:.2f}",
+            ]
+        )
+    layers = ",".join(map(str, result["mod_layers"]))
+    counts = sorted(set(round(c, 2) for c in result["processed_tokens"].values()))
+    header = (
+        f"{result['model']} ({result['source']}), batch {result['batch']}, "
+        f"{result['image_size'][0]}x{result['image_size'][1]}, capacity {result['capacity']:g} on "
+        f"{len(result['mod_layers'])} MoD layers ({layers}: "
+        f"{'/'.join(f'{c:g}' for c in counts)} of {result['tokens']} tokens), "
+        f"torch {result['torch']}, {result['threads']} thread{'' if result['threads'] == 1 else 's'}, "
+        f"median of {len(result['timed_repeats'])}/{result['repeats']} repeats"
+    )
+    table = format_table(["model", "images/s", "latency ms", "GFLOPs/image"], rows)
+    summary = (
+        f"predicted speedup {result['predicted_speedup']:.3f}x  "
+        f"measured {result['speedup']:.3f}x  "
+        f"efficiency {result['efficiency']:.3f}  "
+        f"(paired-repeat speedup {result['speedup_paired']:.3f}x)"
+    )
+    lines = [header, table, summary]
+    if result["contended"]:
+        lines.append(
+            f"warning: other jobs held the CPU during most repeats (load average "
+            f"{result['load_average']['after']}); the speedup is biased against MoD. Rerun on an idle "
+            "machine, or with --threads 1 where one other job is running."
+        )
+    elif len(result["timed_repeats"]) < result["repeats"]:
+        lines.append(
+            f"note: {result['repeats'] - len(result['timed_repeats'])} repeats ran while other jobs held "
+            "the CPU and were left out of the medians"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,237 @@
+"""Analytic FLOPs of transformer blocks, computed from token counts.
+
+Why analytic: MoD changes how many tokens each layer runs, not what a layer does, so the
+compute of a converted model follows from the per-layer token counts that
+`vlmod.trace_routing` records. Counting from shapes gives the same number on every machine,
+which makes "predicted speedup = dense FLOPs / MoD FLOPs" a fixed target to hold measured
+speedups against (profiler FLOP counters miss fused SDPA kernels and differ between backends).
+
+Conventions, shared by every function here so that dense and MoD numbers are comparable:
+
+- A multiply-add counts as 2 FLOPs (the usual "2 * params * tokens" convention).
+- Counted: every linear projection and the two attention matmuls (Q K^T and A V). Not counted:
+  softmax, norms, activations, biases, residual adds, the MoD gate, gather and scatter. They are
+  O(tokens * width) per layer against O(tokens * width^2) for the linears, under 1% of a ViT-B
+  block, and they scale with the processed token count like the rest, so leaving them out does
+  not move the speedup prediction.
+- All counts are per sequence (per image for a ViT). Token counts may be fractional: a MoD layer's
+  count is the batch mean of what the trace recorded.
+
+`block_flops` is the one place the per-block arithmetic lives. It is general enough for a ViT
+encoder block (`vit_flops`) and for a decoder layer of a LLaVA language backbone (grouped-query
+attention, SwiGLU MLP, and a KV cache that makes the number of keys differ from the number of
+queries).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+
+def linear_flops(n_tokens: float, d_in: int, d_out: int) -> float:
+    """A `Linear(d_in, d_out)` applied to `n_tokens` tokens (bias ignored)."""
+    return 2.0 * n_tokens * d_in * d_out
+
+
+def attention_flops(
+    n_query: float, n_key: float, dim: int, heads: int, kv_heads: int, head_dim: int
+) -> float:
+    """Self-attention of `n_query` new tokens over `n_key` keys: Q/K/V and output projections
+    plus the score (Q K^T) and mixing (A V) matmuls.
+
+    K and V are projected for the new tokens only (`n_query`): with a KV cache the other
+    `n_key - n_query` keys were projected by an earlier forward, which is also why a MoD decoder
+    layer that caches only its selected tokens gets cheaper attention at every later step.
+    With grouped-query attention `kv_heads < heads` shrinks the K/V projections only; the score
+    and mixing matmuls still run once per query head.
+    """
+    q_width = heads * head_dim
+    kv_width = kv_heads * head_dim
+    projections = (
+        linear_flops(n_query, dim, q_width)  # Q
+        + linear_flops(n_query, dim, 2 * kv_width)  # K and V
+        + linear_flops(n_query, q_width, dim)  # output projection
+    )
+    scores = 2.0 * n_query * n_key * q_width  # Q K^T, all heads
+    mixing = 2.0 * n_query * n_key * q_width  # softmax(QK^T) V, all heads
+    return projections + scores + mixing
+
+
+def mlp_flops(n_tokens: float, dim: int, mlp_hidden: int, gated_mlp: bool) -> float:
+    """The block MLP: `dim -> mlp_hidden -> dim` (2 linears), or with a gated MLP (SwiGLU / GLU,
+    as in Llama, Mistral, Qwen2) gate and up projections plus the down projection (3 linears)."""
+    n_linears = 3 if gated_mlp else 2
+    return n_linears * linear_flops(n_tokens, dim, mlp_hidden)
+
+
+def block_flops(
+    n_query: float,
+    n_key: float,
+    dim: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    mlp_hidden: int,
+    gated_mlp: bool,
+) -> float:
+    """FLOPs of one pre-norm transformer block (attention + MLP) for one sequence.
+
+    n_query: tokens that run the block (all tokens of a dense layer, the selected ones of a MoD
+        layer).
+    n_key: keys each query attends to. Equal to `n_query` for a ViT block (selected tokens attend
+        only to each other); the cached plus new length for a decoder step. For causal prefill
+        pass the mean number of unmasked keys per query ((n + 1) / 2) to count only useful work,
+        or `n` to count what a dense-mask kernel computes.
+    dim: model width. heads / kv_heads / head_dim: attention geometry (kv_heads < heads for
+        grouped-query attention; heads * head_dim may differ from dim).
+    mlp_hidden: MLP hidden width (mlp_ratio * dim for a ViT, `intermediate_size` for Llama).
+    gated_mlp: True for SwiGLU-style MLPs with a gate projection.
+    """
+    return attention_flops(n_query, n_key, dim, heads, kv_heads, head_dim) + mlp_flops(
+        n_query, dim, mlp_hidden, gated_mlp
+    )
+
+
+def router_flops(n_tokens: float, dim: int) -> float:
+    """The MoD router, `Linear(dim, 1)`, scores every token entering a MoD layer (selected or not):
+    `dim` multiply-adds per token."""
+    return linear_flops(n_tokens, dim, 1)
+
+
+@dataclass(frozen=True)
+class ViTDims:
+    """The shapes of a ViT image encoder that its FLOPs depend on."""
+
+    dim: int
+    depth: int
+    heads: int
+    head_dim: int
+    mlp_hidden: int
+    num_patches: int
+    num_prefix: int  # CLS / distillation / register tokens: always processed
+    patch_dim: int  # in_chans * patch_h * patch_w: the patch embedding is Linear(patch_dim, dim)
+    out_dim: int = 0  # output width of the final projection / classifier (0: none)
+    gated_mlp: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefix + self.num_patches
+
+    @classmethod
+    def from_model(cls, model: nn.Module) -> ViTDims:
+        """Read the dimensions of a timm `VisionTransformer`, an open_clip `VisionTransformer` or
+        an open_clip `CLIP` (its image tower)."""
+        try:
+            from timm.models.vision_transformer import VisionTransformer as TimmViT
+        except ImportError:  # pragma: no cover - timm is a dependency
+            TimmViT = ()  # noqa: N806
+        if isinstance(model, TimmViT):
+            return _timm_dims(model)
+        visual = getattr(model, "visual", model)
+        if hasattr(visual, "transformer") and hasattr(visual, "conv1"):
+            return _open_clip_dims(visual)
+        raise TypeError(
+            f"cannot read ViT dimensions from a {type(model).__name__}; pass a vlmod.flops.ViTDims "
+            "or a timm / open_clip VisionTransformer"
+        )
+
+
+def _mlp_geometry(mlp: nn.Module, out_name: str) -> tuple[int, bool]:
+    """(hidden width, gated) of a timm / open_clip MLP: the input width of its last linear; gated
+    when its first linear is wider than that (timm GluMlp) or a separate gate exists (SwiGLU)."""
+    out_linear = getattr(mlp, out_name)
+    hidden = out_linear.in_features
+    if hasattr(mlp, "fc1_g"):
+        return hidden, True
+    first = getattr(mlp, "fc1", None) or getattr(mlp, "c_fc", None)
+    gated = first is not None and first.out_features == 2 * hidden
+    return hidden, gated
+
+
+def _timm_dims(model: nn.Module) -> ViTDims:
+    block = model.blocks[0]
+    attn = block.attn
+    hidden, gated = _mlp_geometry(block.mlp, "fc2")
+    proj = model.patch_embed.proj
+    head = getattr(model, "head", None)
+    return ViTDims(
+        dim=model.embed_dim,
+        depth=len(model.blocks),
+        heads=attn.num_heads,
+        head_dim=attn.head_dim,
+        mlp_hidden=hidden,
+        num_patches=model.patch_embed.num_patches,
+        num_prefix=model.num_prefix_tokens,
+        patch_dim=proj.in_channels * proj.kernel_size[0] * proj.kernel_size[1],
+        out_dim=head.out_features if isinstance(head, nn.Linear) else 0,
+        gated_mlp=gated,
+    )
+
+
+def _open_clip_dims(visual: nn.Module) -> ViTDims:
+    transformer = visual.transformer
+    block = transformer.resblocks[0]
+    heads = block.attn.num_heads
+    hidden, gated = _mlp_geometry(block.mlp, "c_proj")
+    conv = visual.conv1
+    grid = visual.grid_size
+    proj = getattr(visual, "proj", None)
+    return ViTDims(
+        dim=transformer.width,
+        depth=len(transformer.resblocks),
+        heads=heads,
+        head_dim=transformer.width // heads,
+        mlp_hidden=hidden,
+        num_patches=grid[0] * grid[1],
+        num_prefix=1,
+        patch_dim=conv.in_channels * conv.kernel_size[0] * conv.kernel_size[1],
+        out_dim=proj.shape[1] if isinstance(proj, Tensor) else 0,
+        gated_mlp=gated,
+    )
+
+
+def vit_block_flops(dims: ViTDims, n_tokens: float) -> float:
+    """One ViT encoder block on `n_tokens` tokens that attend to each other."""
+    return block_flops(
+        n_tokens, n_tokens, dims.dim, dims.heads, dims.heads, dims.head_dim, dims.mlp_hidden, dims.gated_mlp
+    )
+
+
+def vit_flops(
+    model_or_dims: nn.Module | ViTDims, processed_counts_per_layer: Mapping[int, float] | None = None
+) -> float:
+    """FLOPs per image of a ViT encoder: patch embedding, every block, the final projection.
+
+    processed_counts_per_layer: {layer index: tokens processed per image} of the MoD layers (from
+        `processed_counts(trace.processed)`); layers not named are dense and run all tokens. A MoD
+        layer costs its block on the processed tokens plus its router on all tokens. None or {}
+        gives the dense model.
+    """
+    dims = model_or_dims if isinstance(model_or_dims, ViTDims) else ViTDims.from_model(model_or_dims)
+    counts = dict(processed_counts_per_layer or {})
+    bad = [i for i in counts if not 0 <= i < dims.depth]
+    if bad:
+        raise ValueError(f"layer indices {bad} are out of range for a ViT with {dims.depth} blocks")
+    n = dims.num_tokens
+    total = linear_flops(dims.num_patches, dims.patch_dim, dims.dim)
+    for layer in range(dims.depth):
+        if layer in counts:
+            total += vit_block_flops(dims, counts[layer]) + router_flops(n, dims.dim)
+        else:
+            total += vit_block_flops(dims, n)
+    total += linear_flops(1, dims.dim, dims.out_dim)  # pooled token -> classes / embedding
+    return total
+
+
+def processed_counts(processed: Mapping[tuple[str, int], Tensor], part: str = "vision") -> dict[int, float]:
+    """{layer index: mean tokens processed per sequence} of one part, from `trace.processed`
+    ({(part, layer): BoolTensor[B, L]})."""
+    return {
+        layer: float(mask.sum(dim=1, dtype=torch.float64).mean())
+        for (p, layer), mask in sorted(processed.items())
+        if p == part
+    }
