@@ -1,0 +1,972 @@
+"""ARank: rank the layers of a model part by the numerical rank of their attention maps.
+
+Which layers to convert is the first decision of a MoD conversion. γ-MoD's answer: a layer
+whose attention maps have low rank mixes tokens redundantly, so skipping tokens there costs
+little. This module measures that properly on calibration data and turns it into a layer list.
+
+Rank definition (what `attention_ranks` computes, and what every number here is built from):
+
+* the map is one head's post-softmax attention matrix of one sequence, as the model computes
+  it (its own dtype, then upcast to float32), restricted to the sequence's real tokens:
+  padding rows and columns are removed (a causal map keeps its lower triangle);
+* its singular values are computed in float32 on the model's device (`torch.linalg.svdvals`);
+* its rank is the number of singular values above `sigma_max * n * eps(float32)`, with `n` the
+  number of real tokens and `eps(float32) = 2**-23`: the default tolerance of
+  `numpy.linalg.matrix_rank` and `torch.linalg.matrix_rank` on the real block.
+
+Zeroing the padding rows and columns instead of cutting them out leaves the singular values of
+the real block (plus zeros), so one batched `svdvals` over `[B, H, L, L]` serves a padded batch
+with a per-sequence tolerance. A layer's rank is the mean over heads and sequences; its std is
+over the same maps; the normalised rank (rank / real tokens) compares sequences of different
+lengths. Ranks are measured on the dense model: a model with MoD layers is refused.
+
+Maps are captured layer by layer by forward hooks that reduce each map to per-head ranks at
+once, so at most one layer's maps exist at a time. Hugging Face attention runs "eager" while
+calibrating (sdpa and flash attention return no weights), timm attention unfused, open_clip's
+`nn.MultiheadAttention` with `need_weights=True`; the model's own settings come back afterwards,
+also when a batch raises.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from vlmod.config import MoDConfig
+from vlmod.data.llava_format import IMAGE_EXTENSIONS, DataError, list_images, load_image, load_records
+
+FORMAT = "vlmod.arank/1"
+EPS32 = float(torch.finfo(torch.float32).eps)
+RANK_DEFINITION = (
+    "numerical rank of each head's post-softmax attention map over real tokens (padding rows and "
+    "columns removed): singular values in float32 (torch.linalg.svdvals) above "
+    "sigma_max * n_real * eps(float32), the numpy/torch matrix_rank default tolerance; mean and std "
+    "over heads and sequences; normalized = rank / n_real"
+)
+EXIT_USAGE = 2
+
+
+# ----------------------------------------------------------------------------- the metric
+
+
+def attention_ranks(maps: Tensor, real: Tensor | None = None) -> Tensor:
+    """Numerical rank of every head's attention map over the real tokens of its sequence.
+
+    maps: `[B, H, L, L]` attention probabilities (any float dtype, any device).
+    real: `[B, L]` bool (or 0/1) mask of real tokens; None: all tokens are real.
+    Returns `[B, H]` int64 ranks (0 for a sequence without real tokens). See the module
+    docstring for the definition.
+    """
+    if maps.dim() != 4 or maps.shape[-1] != maps.shape[-2]:
+        raise ValueError(f"attention maps must be [B, H, L, L], got shape {tuple(maps.shape)}")
+    batch, _, length, _ = maps.shape
+    a = maps.detach().to(torch.float32)
+    if real is None:
+        n = torch.full((batch,), length, device=a.device, dtype=torch.float32)
+    else:
+        if tuple(real.shape) != (batch, length):
+            raise ValueError(
+                f"the real-token mask has shape {tuple(real.shape)}, the maps need {(batch, length)}"
+            )
+        real = real.to(device=a.device, dtype=torch.bool)
+        pair = (real[:, :, None] & real[:, None, :]).unsqueeze(1)
+        a = a.masked_fill(~pair, 0.0)
+        n = real.sum(-1).to(torch.float32)
+    s = torch.linalg.svdvals(a)  # [B, H, L], descending
+    tol = s[..., :1] * (n * EPS32)[:, None, None]
+    return (s > tol).sum(-1)
+
+
+# ----------------------------------------------------------------------------- the result
+
+
+def _check_selection(
+    num_layers: int, n: int | None, threshold: float | None, keep_first: int, keep_last: int
+) -> None:
+    """Reject selection arguments that cannot mean anything for a part with `num_layers` layers."""
+    if n is not None:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"n must be a positive number of layers, got {n!r}")
+        if n > num_layers:
+            raise ValueError(f"n={n} layers asked for, but this part has only {num_layers} layers")
+    if threshold is not None:
+        if (
+            isinstance(threshold, bool)
+            or not isinstance(threshold, (int, float))
+            or not (0.0 < float(threshold) <= 1.0)
+        ):
+            raise ValueError(f"threshold is a normalised rank (rank / tokens) in (0, 1], got {threshold!r}")
+    for name, value in (("keep_first", keep_first), ("keep_last", keep_last)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+
+
+@dataclass
+class LayerRanks:
+    """Attention ranks of every layer of one model part, from one calibration run.
+
+    mean / std: rank over all (sequence, head) maps of the layer; normalized / normalized_std:
+    the same for rank / real tokens. tokens: the real-token count of every measured sequence
+    (images or crops for a vision part, prompts for a language part). dense_layers: layers the
+    family never converts (layer 0 of a LLaVA language model), which `select` never returns.
+    suggested: the layers a tool chose with `select`, kept with the ranks when saved.
+    """
+
+    part: str
+    mean: list[float]
+    std: list[float]
+    normalized: list[float]
+    normalized_std: list[float]
+    num_samples: int
+    tokens: list[int]
+    family: str = ""
+    dense_layers: list[int] = field(default_factory=list)
+    suggested: list[int] | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        lengths = {len(self.mean), len(self.std), len(self.normalized), len(self.normalized_std)}
+        if len(lengths) != 1:
+            raise ValueError("mean, std, normalized and normalized_std need one value per layer each")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.mean)
+
+    def select(
+        self,
+        n: int | None = None,
+        threshold: float | None = None,
+        keep_first: int = 0,
+        keep_last: int = 0,
+    ) -> list[int]:
+        """The layers to convert, lowest normalised rank first (ties: lower mean rank, then index).
+
+        n: how many (with a threshold, at most how many); None: every candidate.
+        threshold: only layers whose normalised rank is <= threshold, in (0, 1].
+        keep_first / keep_last: that many first / last layers stay dense. `dense_layers` are
+        never returned either, so for a LLaVA language part keep_first is in effect at least 1:
+        transformers sizes every layer's mask and positions from layer 0's KV cache.
+        Without a threshold, asking for more layers than there are candidates is an error.
+        """
+        _check_selection(self.num_layers, n, threshold, keep_first, keep_last)
+        count = self.num_layers
+        protected = set(range(min(keep_first, count))) | set(range(max(count - keep_last, 0), count))
+        protected |= set(self.dense_layers)
+        candidates = [i for i in range(count) if i not in protected]
+        if threshold is not None:
+            candidates = [i for i in candidates if self.normalized[i] <= threshold]
+        candidates.sort(key=lambda i: (self.normalized[i], self.mean[i], i))
+        if n is not None:
+            if threshold is None and n > len(candidates):
+                kept = sorted(protected)
+                raise ValueError(
+                    f"n={n} layers asked for, but only {len(candidates)} of {count} can be converted "
+                    f"(layers {kept} stay dense: keep_first={keep_first}, keep_last={keep_last}"
+                    + (f", always-dense {sorted(self.dense_layers)}" if self.dense_layers else "")
+                    + ")"
+                )
+            candidates = candidates[:n]
+        return candidates
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "rank_definition": RANK_DEFINITION,
+            "part": self.part,
+            "family": self.family,
+            "num_layers": self.num_layers,
+            "num_samples": self.num_samples,
+            "mean_tokens": sum(self.tokens) / len(self.tokens) if self.tokens else 0.0,
+            "dense_layers": list(self.dense_layers),
+            "suggested": None if self.suggested is None else list(self.suggested),
+            "layers": [
+                {
+                    "layer": i,
+                    "mean_rank": self.mean[i],
+                    "std_rank": self.std[i],
+                    "normalized_rank": self.normalized[i],
+                    "normalized_std": self.normalized_std[i],
+                }
+                for i in range(self.num_layers)
+            ],
+            "tokens": list(self.tokens),
+            "meta": self.meta,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> LayerRanks:
+        if d.get("format") != FORMAT:
+            raise ValueError(f"not a vlmod ARank file (format {d.get('format')!r}, expected {FORMAT!r})")
+        try:
+            layers = sorted(d["layers"], key=lambda r: r["layer"])
+            if [r["layer"] for r in layers] != list(range(len(layers))):
+                raise ValueError("the layer indices are not 0..N-1")
+            return cls(
+                part=d["part"],
+                mean=[float(r["mean_rank"]) for r in layers],
+                std=[float(r["std_rank"]) for r in layers],
+                normalized=[float(r["normalized_rank"]) for r in layers],
+                normalized_std=[float(r["normalized_std"]) for r in layers],
+                num_samples=int(d["num_samples"]),
+                tokens=[int(t) for t in d["tokens"]],
+                family=d.get("family", ""),
+                dense_layers=[int(i) for i in d.get("dense_layers", [])],
+                suggested=None if d.get("suggested") is None else [int(i) for i in d["suggested"]],
+                meta=dict(d.get("meta") or {}),
+            )
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"malformed ARank data: missing or bad field {e}") from None
+
+    def to_json(self, path: str | Path) -> Path:
+        """Write the ranks as JSON, atomically (a temp file replaced into place), so a crash or a
+        full disk never leaves a half-written file where a previous run's ranks were."""
+        path = Path(path).expanduser()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(self.to_dict(), f, indent=2)
+                f.write("\n")
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return path
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> LayerRanks:
+        path = Path(path).expanduser()
+        try:
+            d = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON: {e.msg} at line {e.lineno}") from None
+        try:
+            return cls.from_dict(d)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
+
+
+# ----------------------------------------------------------------------------- calibration
+
+
+class _Recorder:
+    """Per-layer ranks and real-token counts of the measured sequences (kept on the CPU: tiny)."""
+
+    def __init__(self, num_layers: int):
+        self.ranks: list[list[Tensor]] = [[] for _ in range(num_layers)]
+        self.tokens: list[list[Tensor]] = [[] for _ in range(num_layers)]
+        self.real: Tensor | None = None  # [B, L] real-token mask of the current batch, or None
+
+    def record(self, layer: int, maps: Tensor | None) -> None:
+        if maps is None:
+            raise RuntimeError(
+                f"attention layer {layer} returned no attention weights although vlmod switched it to "
+                "eager attention; its attention implementation does not expose its maps"
+            )
+        real = self.real
+        if real is not None and real.shape[-1] != maps.shape[-1]:
+            raise RuntimeError(
+                f"layer {layer} attends over {maps.shape[-1]} tokens but the attention mask covers "
+                f"{real.shape[-1]}; pass the batch's full 2D attention_mask"
+            )
+        ranks = attention_ranks(maps, real)
+        if real is None:
+            n = torch.full((maps.shape[0],), maps.shape[-1], dtype=torch.long)
+        else:
+            n = real.sum(-1).cpu()
+        keep = n > 0
+        self.ranks[layer].append(ranks.cpu()[keep])
+        self.tokens[layer].append(n[keep])
+
+
+class _StopForward(Exception):
+    """Raised after the last block of a part when nothing downstream is needed (the LLaVA
+    language model behind a vision-tower calibration)."""
+
+
+def _set_attn_implementation(config: Any, value: str | None) -> None:
+    # Only this config: the public setter recurses into sub-configs, which must keep their own.
+    if "_attn_implementation_internal" in vars(config):
+        config._attn_implementation_internal = value
+    else:
+        config._attn_implementation = value
+
+
+def _use_eager(root: nn.Module, undo: list[Callable[[], None]]) -> None:
+    """Switch every config the part's modules read to eager attention; queue the restore.
+
+    Why not `model.set_attn_implementation("eager")`: it switches every sub-model (a language
+    calibration would run the vision tower eager too) and restoring a mixed setup through it
+    means rebuilding its dict form; the attention modules read `config._attn_implementation` at
+    each call, so setting exactly those configs is enough and restores exactly.
+    """
+    from transformers import PretrainedConfig
+
+    configs: dict[int, Any] = {}
+    for module in root.modules():
+        cfg = getattr(module, "config", None)
+        if isinstance(cfg, PretrainedConfig):
+            configs.setdefault(id(cfg), cfg)
+    for cfg in configs.values():
+        previous = cfg._attn_implementation
+        undo.append(partial(_set_attn_implementation, cfg, previous))
+        _set_attn_implementation(cfg, "eager")
+
+
+def _hf_hook(recorder: _Recorder, layer: int, _module: nn.Module, _args: Any, output: Any) -> None:
+    recorder.record(layer, output[1] if isinstance(output, tuple) and len(output) > 1 else None)
+
+
+def _timm_hook(recorder: _Recorder, layer: int, _module: nn.Module, _args: Any, output: Tensor) -> None:
+    recorder.record(layer, output)
+
+
+def _mha_pre_hook(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    return args, {**kwargs, "need_weights": True, "average_attn_weights": False}
+
+
+def _instrument(spec: Any, recorder: _Recorder, undo: list[Callable[[], None]]) -> None:
+    """Hook every block's attention of the part so its maps reach `recorder`, per family."""
+    blocks = spec.blocks
+    if spec.family in ("llava", "hf_vision"):
+        _use_eager(spec.root, undo)
+        for i, block in enumerate(blocks):
+            attn = getattr(block, "self_attn", None)
+            if attn is None:
+                raise TypeError(f"{type(block).__name__} has no self_attn module to read attention maps from")
+            undo.append(attn.register_forward_hook(partial(_hf_hook, recorder, i)).remove)
+    elif spec.family == "timm":
+        for i, block in enumerate(blocks):
+            attn = getattr(block, "attn", None)
+            if attn is None or not hasattr(attn, "fused_attn") or not hasattr(attn, "attn_drop"):
+                raise TypeError(
+                    f"timm block {i} uses a {type(attn).__name__} attention; "
+                    "ARank reads maps from timm's Attention (fused_attn + attn_drop)"
+                )
+            undo.append(partial(setattr, attn, "fused_attn", attn.fused_attn))
+            attn.fused_attn = False
+            undo.append(attn.attn_drop.register_forward_hook(partial(_timm_hook, recorder, i)).remove)
+    elif spec.family == "open_clip":
+        for i, block in enumerate(blocks):
+            attn = getattr(block, "attn", None)
+            if not isinstance(attn, nn.MultiheadAttention):
+                raise TypeError(
+                    f"open_clip block {i} uses a {type(attn).__name__}; ARank reads maps from "
+                    "nn.MultiheadAttention"
+                )
+            undo.append(attn.register_forward_pre_hook(_mha_pre_hook, with_kwargs=True).remove)
+            undo.append(attn.register_forward_hook(partial(_hf_hook, recorder, i)).remove)
+    else:
+        raise TypeError(f"ARank does not know how to read attention maps of the {spec.family} family")
+
+
+def _move(value: Any, device: torch.device, dtype: torch.dtype) -> Any:
+    if isinstance(value, Tensor):
+        return value.to(device=device, dtype=dtype if value.is_floating_point() else None)
+    return value
+
+
+def _batch_size(batch: Any) -> int:
+    values = (
+        batch.values()
+        if isinstance(batch, Mapping)
+        else batch
+        if isinstance(batch, (list, tuple))
+        else [batch]
+    )
+    for v in values:
+        if isinstance(v, Tensor) and v.dim() > 0:
+            return int(v.shape[0])
+    return 1
+
+
+def rank_layers(
+    model: nn.Module,
+    batches: Iterable[Any],
+    part: str | None = None,
+    progress: bool = True,
+    *,
+    total: int | None = None,
+) -> LayerRanks:
+    """Attention rank of every layer of `part` over the calibration `batches`.
+
+    model: a dense model of a supported family (LLaVA: part "language" or "vision"; timm /
+        open_clip / HF CLIP and SigLIP towers: "vision"). None: the family's default part.
+    batches: model inputs, one per forward: dicts of processor outputs for LLaVA (keep the
+        `attention_mask`: it says which tokens are padding), `{"pixel_values": x}` dicts or
+        plain image tensors for ViTs.
+    total: the number of samples expected, for the progress bar only.
+    """
+    from tqdm.auto import tqdm
+    from transformers import PreTrainedModel
+
+    from vlmod.plugins import find_plugin, llava
+    from vlmod.routing import mod_layers
+
+    if isinstance(batches, (Mapping, Tensor)):
+        raise TypeError("batches is an iterable of model inputs: wrap a single batch in a list")
+    converted = mod_layers(model)
+    if converted:
+        raise ValueError(
+            f"this model already has MoD layers ({sorted(converted)}); ARank measures the dense model: "
+            "call vlmod.remove_mod(model) first, or rank the checkpoint before converting it"
+        )
+    spec = find_plugin(model).part_spec(model, part, MoDConfig())
+    is_llava = llava.matches(model)
+    callee = model if is_llava else spec.entry
+    param = next(model.parameters())
+    device, dtype = param.device, param.dtype
+    recorder = _Recorder(len(spec.blocks))
+    extra: dict[str, Any] = {}
+    if is_llava:
+        extra["use_cache"] = False
+        if "logits_to_keep" in inspect.signature(type(model).forward).parameters:
+            extra["logits_to_keep"] = 1  # the logits are not needed: skip the vocabulary projection
+
+    def call(batch: Any) -> None:
+        if isinstance(batch, Tensor):
+            callee(_move(batch, device, dtype))
+        elif isinstance(batch, (list, tuple)):
+            callee(*(_move(v, device, dtype) for v in batch))
+        elif not isinstance(batch, Mapping):
+            raise TypeError(
+                f"a calibration batch must be a dict, a tensor or a tuple, got {type(batch).__name__}"
+            )
+        elif is_llava:
+            inputs = {k: _move(v, device, dtype) for k, v in batch.items()}
+            mask = inputs.get("attention_mask")
+            if mask is not None and mask.dim() == 2:
+                if spec.name == "language":
+                    recorder.real = mask.bool()
+                if "position_ids" not in inputs:
+                    # Positions as generate() numbers them: a padded sequence gets the positions
+                    # it would have alone.
+                    inputs["position_ids"] = (mask.long().cumsum(-1) - 1).clamp_min(0)
+            callee(**{**extra, **inputs})
+        elif set(batch) == {"pixel_values"} and not isinstance(callee, PreTrainedModel):
+            callee(_move(batch["pixel_values"], device, dtype))  # timm / open_clip take the tensor
+        else:
+            callee(**{k: _move(v, device, dtype) for k, v in batch.items()})
+
+    modes = {m: m.training for m in model.modules()}
+    undo: list[Callable[[], None]] = []
+    bar = tqdm(total=total, unit="sample", desc=f"ARank {spec.name}", disable=not progress)
+    try:
+        model.eval()
+        _instrument(spec, recorder, undo)
+        if is_llava and spec.name == "vision":
+
+            def stop(*_: Any) -> None:
+                raise _StopForward
+
+            undo.append(spec.blocks[-1].register_forward_hook(stop).remove)
+        with torch.inference_mode():
+            for batch in batches:
+                try:
+                    call(batch)
+                except _StopForward:
+                    pass
+                finally:
+                    recorder.real = None
+                bar.update(_batch_size(batch))
+    finally:
+        bar.close()
+        for fn in reversed(undo):
+            fn()
+        for module, training in modes.items():
+            module.training = training
+
+    counts = {sum(len(r) for r in layer) for layer in recorder.ranks}
+    if counts == {0}:
+        raise ValueError("no calibration samples: `batches` yielded nothing (or only padding)")
+    if len(counts) != 1:
+        raise RuntimeError(
+            f"layers measured different numbers of sequences ({sorted(counts)}); a layer was skipped"
+        )
+    mean, std, normalized, normalized_std = [], [], [], []
+    for ranks, tokens in zip(recorder.ranks, recorder.tokens, strict=True):
+        r = torch.cat(ranks).double()
+        n = torch.cat(tokens).double()
+        ratio = r / n[:, None]
+        mean.append(r.mean().item())
+        std.append(r.std(correction=0).item())
+        normalized.append(ratio.mean().item())
+        normalized_std.append(ratio.std(correction=0).item())
+    return LayerRanks(
+        part=spec.name,
+        mean=mean,
+        std=std,
+        normalized=normalized,
+        normalized_std=normalized_std,
+        num_samples=counts.pop(),
+        tokens=[int(t) for t in torch.cat(recorder.tokens[0]).tolist()],
+        family=spec.family,
+        dense_layers=sorted(spec.dense_layers),
+    )
+
+
+# ----------------------------------------------------------------------------- calibration data
+
+
+@dataclass(frozen=True)
+class CalibrationSample:
+    """One prompt and its images (none for a text-only record)."""
+
+    id: str
+    text: str
+    images: tuple[Path, ...] = ()
+
+
+def calibration_samples(
+    data: str | Path, image_root: str | Path | None = None, prompt: str | None = None
+) -> list[CalibrationSample]:
+    """The samples of DATA: a LLaVA-format JSON (first human turn of each record; `prompt`, if
+    given, replaces it) or a folder of images, each asked `prompt`. Video-only records are left
+    out (with a warning): calibration feeds images."""
+    path = Path(data).expanduser()
+    if not path.exists():
+        raise DataError(f"data {path} does not exist")
+    if path.is_dir():
+        if not prompt:
+            raise DataError(
+                f"{path} is a folder of images: give the question to ask about them with --prompt"
+            )
+        images = list_images(path)
+        if not images:
+            raise DataError(f"{path} holds no image files ({', '.join(IMAGE_EXTENSIONS)})")
+        return [CalibrationSample(id=p.name, text=prompt, images=(p,)) for p in images]
+    samples, videos = [], 0
+    for record in load_records(path, image_root):
+        if record.video is not None and not record.images:
+            videos += 1
+            continue
+        samples.append(
+            CalibrationSample(id=record.id, text=prompt or record.first_question, images=record.images)
+        )
+    if videos:
+        warnings.warn(
+            f"{path}: left out {videos} video record(s); ARank calibration uses images", stacklevel=2
+        )
+    if not samples:
+        raise DataError(f"{path} holds no usable records")
+    return samples
+
+
+class CalibrationBatches:
+    """Processor batches of calibration samples, drawn in a seeded random order (LLaVA mixes are
+    sorted by source, so the first N records are not a sample of the mix).
+
+    A sample whose image is missing or unreadable is skipped and counted (`skipped`), and the
+    next one takes its place; a warning gives the count at the end. If no sample can be used at
+    all, iterating raises `DataError`.
+    """
+
+    def __init__(
+        self,
+        processor: Any,
+        samples: Sequence[CalibrationSample],
+        batch_size: int = 4,
+        num_samples: int | None = None,
+        seed: int | None = 0,
+    ):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if num_samples is not None and num_samples < 1:
+            raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+        self.processor = processor
+        self.samples = list(samples)
+        self.batch_size = batch_size
+        self.total = len(self.samples) if num_samples is None else min(num_samples, len(self.samples))
+        self.seed = seed
+        self.used = 0
+        self.skipped: list[tuple[str, str]] = []  # (sample id, reason)
+
+    def encode(self, samples: Sequence[CalibrationSample], images: Sequence[Any]) -> dict[str, Any]:
+        """Model inputs for `samples`: the processor's chat template with one image slot per image."""
+        texts = []
+        for s in samples:
+            content = [{"type": "image"} for _ in s.images] + [{"type": "text", "text": s.text}]
+            texts.append(
+                self.processor.apply_chat_template(
+                    [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+                )
+            )
+        return dict(
+            self.processor(images=list(images) or None, text=texts, return_tensors="pt", padding=True)
+        )
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        from PIL import Image
+
+        order = list(range(len(self.samples)))
+        if self.seed is not None:
+            random.Random(self.seed).shuffle(order)
+        self.used, self.skipped = 0, []
+        pending: list[CalibrationSample] = []
+        images: list[Any] = []
+        for idx in order:
+            if self.used + len(pending) >= self.total:
+                break
+            sample = self.samples[idx]
+            try:
+                loaded = [load_image(p) for p in sample.images]
+            except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+                self.skipped.append((sample.id, f"{type(e).__name__}: {e}"))
+                continue
+            pending.append(sample)
+            images.extend(loaded)
+            if len(pending) == self.batch_size:
+                batch = self.encode(pending, images)
+                self.used += len(pending)
+                pending, images = [], []
+                yield batch
+        if pending:
+            batch = self.encode(pending, images)
+            self.used += len(pending)
+            yield batch
+        if self.skipped:
+            first_id, reason = self.skipped[0]
+            warnings.warn(
+                f"skipped {len(self.skipped)} sample(s) with a missing or unreadable image "
+                f"(first: {first_id}: {reason})",
+                stacklevel=2,
+            )
+        if self.used == 0:
+            raise DataError(
+                f"none of the {len(self.samples)} samples could be used: every image was missing or unreadable"
+            )
+
+
+def calibration_batches(
+    processor: Any,
+    data: str | Path | Sequence[CalibrationSample],
+    *,
+    image_root: str | Path | None = None,
+    prompt: str | None = None,
+    batch_size: int = 4,
+    num_samples: int | None = 64,
+    seed: int | None = 0,
+) -> CalibrationBatches:
+    """Processor batches for a LLaVA model from DATA (see `calibration_samples`), ready for
+    `rank_layers`; `num_samples` caps how many samples are used (None: all)."""
+    samples = (
+        data
+        if isinstance(data, Sequence) and not isinstance(data, str)
+        else calibration_samples(data, image_root=image_root, prompt=prompt)
+    )
+    return CalibrationBatches(processor, samples, batch_size=batch_size, num_samples=num_samples, seed=seed)
+
+
+# ----------------------------------------------------------------------------- plot
+
+
+def plot_ranks(ranks: LayerRanks, path: str | Path, suggested: Sequence[int] | None = None) -> Path:
+    """A bar chart of the mean rank per layer (std as error bars), suggested layers marked.
+    Needs matplotlib; uses its Agg canvas directly so no global backend is touched."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.patches import Patch
+    except ImportError:
+        raise ImportError("plotting ranks needs matplotlib: pip install matplotlib") from None
+    suggested = set((ranks.suggested or []) if suggested is None else suggested)
+    layers = list(range(ranks.num_layers))
+    colors = ["tab:orange" if i in suggested else "tab:blue" for i in layers]
+    fig = Figure(figsize=(max(6.0, 0.3 * len(layers) + 2), 4.0))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ax.bar(layers, ranks.mean, yerr=ranks.std, color=colors, capsize=2, ecolor="0.4")
+    ax.set_xlabel("layer")
+    ax.set_ylabel("attention rank (mean over heads and samples)")
+    mean_tokens = sum(ranks.tokens) / max(len(ranks.tokens), 1)
+    ax.set_title(
+        f"ARank, {ranks.part} part: {ranks.num_samples} sequences, {mean_tokens:.0f} tokens on average"
+    )
+    ax.axhline(mean_tokens, color="0.5", linestyle="--", linewidth=1)
+    ax.set_xticks(layers)
+    ax.tick_params(axis="x", labelsize=7)
+    ax.legend(
+        handles=[
+            Patch(color="tab:orange", label="suggested for MoD"),
+            Patch(color="tab:blue", label="kept dense"),
+            ax.lines[-1],
+        ],
+        labels=["suggested for MoD", "kept dense", "mean real tokens (full rank)"],
+        loc="lower right",
+        fontsize=8,
+    )
+    fig.tight_layout()
+    path = Path(path).expanduser()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    return path
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+class RankInputError(ValueError):
+    """Bad input to `vlmod rank` (model, data, selection flags): one `error:` line, exit 2."""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text}")
+    return value
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def add_rank_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The flags of `vlmod rank` / `scripts/rank_layers.py`; sets `run=run_rank` as default."""
+    parser.add_argument("--model", required=True, help="LLaVA checkpoint directory (or hub id)")
+    parser.add_argument(
+        "--data",
+        required=True,
+        help="LLaVA-format JSON (list of records with image + conversations), or a folder of images "
+        "(then --prompt is the question asked about each)",
+    )
+    parser.add_argument(
+        "--image-root",
+        default=None,
+        help="folder the JSON's image paths are relative to (default: the JSON's folder)",
+    )
+    parser.add_argument(
+        "--prompt",
+        default=None,
+        help="question for a folder of images; with a JSON it replaces each record's question",
+    )
+    parser.add_argument(
+        "--num-samples", type=_positive_int, default=64, help="calibration samples (default: 64)"
+    )
+    parser.add_argument(
+        "--batch-size", type=_positive_int, default=4, help="samples per forward (default: 4)"
+    )
+    parser.add_argument("--out", default="ranks.json", help="where to write the ranks (default: ranks.json)")
+    parser.add_argument(
+        "--plot", default=None, metavar="PNG", help="also draw the ranks per layer (needs matplotlib)"
+    )
+    parser.add_argument(
+        "--part",
+        choices=("language", "vision"),
+        default="language",
+        help="model part to rank (default: language)",
+    )
+    parser.add_argument(
+        "--select",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="suggest the N lowest-rank layers (default: half the layers, as many as layers=every_other)",
+    )
+    parser.add_argument(
+        "--threshold",
+        type=_fraction,
+        default=None,
+        help="suggest only layers with normalised rank (rank / tokens) <= this; --select then caps the count",
+    )
+    parser.add_argument(
+        "--keep-first",
+        type=_non_negative_int,
+        default=0,
+        help="first K layers stay dense (LLaVA language: >= 1)",
+    )
+    parser.add_argument("--keep-last", type=_non_negative_int, default=0, help="last K layers stay dense")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sample order (default: 0)")
+    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument(
+        "--dtype",
+        choices=("auto", *DTYPES),
+        default="auto",
+        help="model dtype (default: bfloat16 on GPU, float32 on CPU); SVDs run in float32 either way",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.set_defaults(run=run_rank)
+    return parser
+
+
+def run_rank(args: argparse.Namespace) -> int:
+    """Calibrate, select, write JSON (and PNG); bad input is one `error:` line and status 2."""
+    try:
+        return _run_rank(args)
+    except (DataError, RankInputError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def _load_llava(path: str, device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, Any]:
+    from transformers import AutoProcessor
+
+    from vlmod.hf import load_config, model_class
+    from vlmod.plugins import llava
+
+    try:
+        config = load_config(path)
+        cls = model_class(config)
+    except (FileNotFoundError, TypeError) as e:
+        raise RankInputError(str(e)) from None
+    if not any(issubclass(cls, c) for c in llava._classes()):
+        raise RankInputError(
+            f"{path} is a {cls.__name__} checkpoint; the rank command calibrates LLaVA models "
+            f"({', '.join(llava.FAMILIES)}). For image encoders call vlmod.arank.rank_layers in Python"
+        )
+    try:
+        processor = AutoProcessor.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise RankInputError(f"could not load the processor of {path}: {str(e).splitlines()[0]}") from None
+    model = cls.from_pretrained(path, dtype=dtype).to(device).eval()
+    return model, processor
+
+
+def _run_rank(args: argparse.Namespace) -> int:
+    from vlmod.plugins import find_plugin
+
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise RankInputError("--plot needs matplotlib: pip install matplotlib") from None
+    model_path = Path(args.model).expanduser()
+    if str(args.model).startswith((".", "/", "~")) and not model_path.exists():
+        raise RankInputError(f"model path {args.model} does not exist")
+    samples = calibration_samples(args.data, image_root=args.image_root, prompt=args.prompt)
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = DTYPES.get(args.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    from transformers.utils import logging as hf_logging
+
+    bars_were_off = hf_logging.is_progress_bar_enabled() is False
+    if args.no_progress:
+        hf_logging.disable_progress_bar()
+    try:
+        model, processor = _load_llava(args.model, device, dtype)
+    finally:
+        if args.no_progress and not bars_were_off:
+            hf_logging.enable_progress_bar()
+
+    spec = find_plugin(model).part_spec(model, args.part, MoDConfig())
+    num_layers = len(spec.blocks)
+    try:
+        _check_selection(num_layers, args.select, args.threshold, args.keep_first, args.keep_last)
+    except ValueError as e:
+        raise RankInputError(str(e)) from None
+
+    batches = calibration_batches(
+        processor,
+        samples,
+        batch_size=args.batch_size,
+        num_samples=args.num_samples,
+        seed=args.seed,
+    )
+    start = time.perf_counter()
+    ranks = rank_layers(model, batches, part=args.part, progress=not args.no_progress, total=batches.total)
+    seconds = time.perf_counter() - start
+
+    n = args.select
+    try:
+        if n is None and args.threshold is None:
+            # Default: as many layers as layers="every_other" would convert.
+            candidates = ranks.select(keep_first=args.keep_first, keep_last=args.keep_last)
+            suggested = candidates[: max(num_layers // 2, 1)]
+            n = len(suggested)
+        else:
+            suggested = ranks.select(
+                n=n, threshold=args.threshold, keep_first=args.keep_first, keep_last=args.keep_last
+            )
+    except ValueError as e:
+        raise RankInputError(str(e)) from None
+    ranks.suggested = suggested
+    ranks.meta = {
+        "model": str(args.model),
+        "data": str(args.data),
+        "prompt": args.prompt,
+        "num_samples_requested": args.num_samples,
+        "batch_size": args.batch_size,
+        "seed": args.seed,
+        "skipped_samples": len(batches.skipped),
+        "selection": {
+            "n": n,
+            "threshold": args.threshold,
+            "keep_first": args.keep_first,
+            "keep_last": args.keep_last,
+        },
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "seconds": round(seconds, 3),
+    }
+    out = ranks.to_json(args.out)
+    print(format_ranks(ranks))
+    print(f"{ranks.num_samples} samples in {seconds:.1f} s ({len(batches.skipped)} skipped); wrote {out}")
+    if args.plot:
+        print(f"wrote {plot_ranks(ranks, args.plot)}")
+    return 0
+
+
+def format_ranks(ranks: LayerRanks) -> str:
+    """A per-layer table; `*` marks the suggested layers."""
+    chosen = set(ranks.suggested or [])
+    lines = [f"{'layer':>5}  {'rank':>8}  {'std':>7}  {'rank/tokens':>11}"]
+    for i in range(ranks.num_layers):
+        mark = " *" if i in chosen else ""
+        lines.append(
+            f"{i:>5}  {ranks.mean[i]:>8.2f}  {ranks.std[i]:>7.2f}  {ranks.normalized[i]:>11.4f}{mark}"
+        )
+    lines.append(f"suggested layers (lowest rank first): {ranks.suggested or []}")
+    return "\n".join(lines)
+
+
+__all__ = [
+    "RANK_DEFINITION",
+    "CalibrationBatches",
+    "CalibrationSample",
+    "LayerRanks",
+    "add_rank_arguments",
+    "attention_ranks",
+    "calibration_batches",
+    "calibration_samples",
+    "format_ranks",
+    "plot_ranks",
+    "rank_layers",
+    "run_rank",
+]
