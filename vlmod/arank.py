@@ -859,6 +859,28 @@ def _load_llava(path: str, device: torch.device, dtype: torch.dtype) -> tuple[nn
     return model, processor
 
 
+def rank_checkpoint(
+    model: str,
+    data: str | Path,
+    *,
+    image_root: str | Path | None = None,
+    prompt: str | None = None,
+    num_samples: int = 64,
+    batch_size: int = 4,
+    part: str = "language",
+    progress: bool = True,
+) -> LayerRanks:
+    """Load a LLaVA checkpoint (on the GPU when there is one) and rank its layers on DATA."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    samples = calibration_samples(data, image_root=image_root, prompt=prompt)
+    llava, processor = _load_llava(model, device, dtype)
+    batches = calibration_batches(processor, samples, batch_size=batch_size, num_samples=num_samples)
+    ranks = rank_layers(llava, batches, part=part, progress=progress, total=batches.total)
+    del llava
+    return ranks
+
+
 def _run_rank(args: argparse.Namespace) -> int:
     from vlmod.plugins import find_plugin
 

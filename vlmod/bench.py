@@ -410,3 +410,243 @@ def format_vit_result(result: Mapping[str, Any]) -> str:
             "the CPU and were left out of the medians"
         )
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- LLaVA
+
+# LLaVA-1.5-7B's token shapes (576 image tokens from a 336 px CLIP tower with 14 px patches, a
+# ~60-token prompt, 32 decoder layers, Llama's MLP ratio 11008/4096) at a width that runs on a
+# laptop CPU; the vision tower is kept small, as it is a small share of a 7B model's compute.
+LLAVA_PRESETS: dict[str, dict[str, Any]] = {
+    "llava-1.5": dict(
+        family="llava", width=512, layers=32, heads=8, kv_heads=8, mlp_ratio=11008 / 4096,
+        vision_width=64, vision_layers=2, image_size=336, patch_size=14, prompt_tokens=60,
+    ),
+    "tiny": dict(
+        family="llava", width=64, layers=4, heads=4, kv_heads=2, vision_width=32, vision_layers=2,
+        image_size=32, patch_size=8, prompt_tokens=12,
+    ),
+}
+
+
+def build_llava(model: str | None = None, preset: str | None = None) -> tuple[nn.Module, Any, int]:
+    """(model, processor, prompt words) of a checkpoint (path or hub id) or of a preset built
+    from config with random weights."""
+    from vlmod import tiny
+
+    if model is not None:
+        from transformers import AutoProcessor
+
+        from vlmod.hf import load_config, model_class
+
+        try:
+            cls = model_class(load_config(model))
+            return cls.from_pretrained(model).eval(), AutoProcessor.from_pretrained(model), 60
+        except (FileNotFoundError, TypeError) as e:
+            raise InputError(str(e)) from e
+    if preset not in LLAVA_PRESETS:
+        raise InputError(f"unknown preset {preset!r}; choose one of {sorted(LLAVA_PRESETS)}")
+    settings = dict(LLAVA_PRESETS[preset])
+    prompt = settings.pop("prompt_tokens")
+    family = settings.pop("family")
+    built, processor = tiny.build(family, **settings)
+    return built, processor, prompt
+
+
+def synthetic_image(size: int = 336, seed: int = 0) -> Any:
+    """A deterministic RGB test picture: coloured shapes on a gradient."""
+    import numpy as np
+    from PIL import Image, ImageDraw
+
+    rng = np.random.default_rng(seed)
+    ramp = np.linspace(0, 255, size, dtype=np.float64)
+    base = np.stack([np.add.outer(ramp, ramp) / 2, np.tile(ramp, (size, 1)), np.tile(ramp[:, None], (1, size))], -1)
+    image = Image.fromarray(base.astype("uint8"))
+    draw = ImageDraw.Draw(image)
+    for _ in range(6):
+        x, y = rng.integers(0, size - size // 4, 2)
+        r = int(rng.integers(size // 12, size // 5))
+        draw.ellipse([x, y, x + r, y + r], fill=tuple(int(c) for c in rng.integers(0, 256, 3)))
+    return image
+
+
+def prompt_text(words: int) -> str:
+    """A question of about `words` words."""
+    from vlmod.tiny import WORDS
+
+    return " ".join(WORDS[i % len(WORDS)] for i in range(words))
+
+
+def _kv_cache_bytes(cache: Any) -> int:
+    total = 0
+    for layer in getattr(cache, "layers", []):
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total
+
+
+def _vision_images(inputs: Mapping[str, Any]) -> int:
+    """How many pictures (images, anyres tiles, video frames) the vision tower encodes."""
+    n = 0
+    for key in ("pixel_values", "pixel_values_videos"):
+        value = inputs.get(key)
+        if isinstance(value, torch.Tensor):
+            n += value.shape[0] * (value.shape[1] if value.dim() == 5 else 1)
+    return n
+
+
+def generation_flops(model: nn.Module, inputs: Mapping[str, Any], trace: Any | None) -> dict[str, float]:
+    """Prefill FLOPs per sequence: vision tower (every picture) + language backbone."""
+    from vlmod.flops import DecoderDims, hf_vision_dims, language_prefill_flops
+
+    batch = inputs["input_ids"].shape[0]
+    processed = trace.processed if trace is not None else {}
+    vision = vit_flops(hf_vision_dims(model.config.vision_config), processed_counts(processed, "vision"))
+    vision *= _vision_images(inputs) / batch
+    tokens = float(inputs["attention_mask"].sum(1, dtype=torch.float64).mean())
+    language = language_prefill_flops(
+        DecoderDims.from_config(model.config.text_config), tokens, processed_counts(processed, "language")
+    )
+    return {"vision": vision, "language": language, "total": vision + language}
+
+
+def bench_generation(
+    dense: nn.Module,
+    mod: nn.Module,
+    inputs: Mapping[str, Any],
+    new_tokens: int = 16,
+    warmup: int = 1,
+    repeats: int = 5,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Prefill latency, decode tokens/s, KV-cache bytes and FLOPs of a dense LLaVA model and its
+    MoD conversion on the same processed inputs (dense and MoD runs interleaved)."""
+    batch = inputs["input_ids"].shape[0]
+    with torch.inference_mode():
+        with vlmod.trace_routing(mod) as trace:
+            mod_cache = mod(**inputs, use_cache=True, logits_to_keep=1).past_key_values
+        dense_cache = dense(**inputs, use_cache=True, logits_to_keep=1).past_key_values
+    flops = {"dense": generation_flops(dense, inputs, None), "mod": generation_flops(mod, inputs, trace)}
+    kv = {"dense": _kv_cache_bytes(dense_cache), "mod": _kv_cache_bytes(mod_cache)}
+    models = {"dense": dense, "mod": mod}
+    gen = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    prefill = time_interleaved(
+        {n: (lambda m=m: m(**inputs, use_cache=True, logits_to_keep=1)) for n, m in models.items()},
+        warmup=warmup, repeats=repeats, progress="prefill dense/MoD" if progress else None,
+    )
+    generate = time_interleaved(
+        {n: (lambda m=m: m.generate(**inputs, **gen)) for n, m in models.items()},
+        warmup=warmup, repeats=repeats, progress="generate dense/MoD" if progress else None,
+    )
+    used, contended = robust_repeats(prefill)
+    result: dict[str, Any] = {}
+    for name in models:
+        prefill_s = prefill[name].median(used)
+        # generate = prefill + (new_tokens - 1) decode steps
+        decode_s = max(generate[name].median() - prefill_s, 1e-9)
+        result[name] = {
+            "prefill_s": prefill_s,
+            "generate_s": generate[name].median(),
+            "decode_tokens_per_s": batch * max(new_tokens - 1, 1) / decode_s,
+            "kv_cache_bytes": kv[name],
+            "flops": flops[name]["total"],
+            "flops_vision": flops[name]["vision"],
+            "flops_language": flops[name]["language"],
+        }
+    result["predicted_speedup"] = flops["dense"]["total"] / flops["mod"]["total"]
+    result["speedup"] = result["dense"]["prefill_s"] / result["mod"]["prefill_s"]
+    result["efficiency"] = result["speedup"] / result["predicted_speedup"]
+    result["decode_speedup"] = result["mod"]["decode_tokens_per_s"] / result["dense"]["decode_tokens_per_s"]
+    result["kv_cache_reduction"] = 1.0 - kv["mod"] / kv["dense"]
+    result["mod_layers"] = {f"{p}:{i}": c for (p, i), c in vlmod.mod_layers(mod).items()}
+    result["contended"] = contended
+    result["timed_repeats"] = used
+    result["repeats"] = repeats
+    return result
+
+
+def bench_llava(
+    model: str | None = None,
+    preset: str | None = "llava-1.5",
+    capacity: float = 0.5,
+    layers: str | Sequence[int] = "every_other",
+    batch: int = 1,
+    new_tokens: int = 16,
+    warmup: int = 1,
+    repeats: int = 5,
+    threads: int | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Dense vs MoD generation of a LLaVA model on one synthetic image and prompt."""
+    try:
+        config = vlmod.MoDConfig(capacity=capacity, layers=parse_layers(layers))
+        if batch < 1 or new_tokens < 1:
+            raise ValueError(f"batch and new_tokens must be >= 1, got {batch} and {new_tokens}")
+        num_threads = _set_threads(threads)
+    except ValueError as e:
+        raise InputError(str(e)) from e
+    dense, processor, words = build_llava(model, None if model else preset)
+    try:
+        mod = vlmod.apply_mod(copy.deepcopy(dense), config)
+    except (ValueError, TypeError) as e:
+        raise InputError(str(e)) from e
+    size = dense.config.vision_config.image_size
+    conversation = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt_text(words)}]}]
+    text = processor.apply_chat_template(conversation, add_generation_prompt=True)
+    inputs = dict(
+        processor(images=[synthetic_image(size, i) for i in range(batch)], text=[text] * batch, return_tensors="pt", padding=True)
+    )
+    result = bench_generation(dense, mod, inputs, new_tokens, warmup, repeats, progress)
+    image_tokens = int((inputs["input_ids"][0] == dense.config.image_token_id).sum())
+    result.update(
+        benchmark="llava",
+        model=model or f"preset:{preset}",
+        batch=batch,
+        capacity=capacity,
+        layers=config.layers if isinstance(config.layers, str) else list(config.layers),
+        image_tokens=image_tokens,
+        prompt_tokens=int(inputs["attention_mask"][0].sum()) - image_tokens,
+        language_layers=dense.config.text_config.num_hidden_layers,
+        new_tokens=new_tokens,
+        torch=torch.__version__,
+        threads=num_threads,
+        load_average=load_average(),
+    )
+    return result
+
+
+def format_generation_result(result: Mapping[str, Any], extra: Sequence[tuple[str, str]] = ()) -> str:
+    """The plain-text report of `bench_llava` / `bench_video`."""
+    extra_names = [name for name, _ in extra]
+    rows = []
+    for name, label in (("dense", "dense"), ("mod", "MoD")):
+        r = result[name]
+        rows.append(
+            [label]
+            + [f"{r[key]:.2f}" for _, key in extra]
+            + [
+                f"{r['prefill_s'] * 1e3:.1f}",
+                f"{r['decode_tokens_per_s']:.1f}",
+                f"{r['kv_cache_bytes'] / 2**20:.2f}",
+                f"{r['flops'] / 1e9:.2f}",
+            ]
+        )
+    header = (
+        f"{result['model']}: batch {result['batch']}, {result['image_tokens']} vision + "
+        f"{result['prompt_tokens']} text tokens, {len(result['mod_layers'])} MoD layers at capacity "
+        f"{result['capacity']:g}, {result['new_tokens']} new tokens, torch {result['torch']}, "
+        f"{result['threads']} threads"
+    )
+    table = format_table(
+        ["model", *extra_names, "prefill ms", "decode tok/s", "KV cache MiB", "GFLOPs/seq"], rows
+    )
+    summary = (
+        f"predicted prefill speedup {result['predicted_speedup']:.3f}x  measured {result['speedup']:.3f}x  "
+        f"efficiency {result['efficiency']:.3f}  decode {result['decode_speedup']:.2f}x  "
+        f"KV cache -{100 * result['kv_cache_reduction']:.1f}%"
+    )
+    lines = [header, table, summary]
+    if result["contended"]:
+        lines.append("warning: other jobs held the CPU during most repeats; the speedup is biased against MoD")
+    return "\n".join(lines)

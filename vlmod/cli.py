@@ -15,9 +15,19 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
-from vlmod.bench import InputError, bench_vit, format_vit_result, parse_layers, write_json
+from vlmod.bench import (
+    LLAVA_PRESETS,
+    InputError,
+    bench_llava,
+    bench_vit,
+    format_generation_result,
+    format_vit_result,
+    parse_layers,
+    write_json,
+)
 
 EXIT_USAGE = 2
 
@@ -148,8 +158,52 @@ def run_bench_vit(args: argparse.Namespace) -> int:
     return 0
 
 
-# Benchmarks under `vlmod bench`; bench llava / bench video add their builders here.
-BENCHMARKS: list[Callable[[SubParsers], argparse.ArgumentParser]] = [add_bench_vit_parser]
+def _add_timing_arguments(p: argparse.ArgumentParser, warmup: int, repeats: int) -> None:
+    p.add_argument("--warmup", type=_non_negative_int, default=warmup, help=f"untimed runs first (default: {warmup})")
+    p.add_argument("--repeats", type=_positive_int, default=repeats, help=f"timed runs (default: {repeats})")
+    p.add_argument("--threads", type=_positive_int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--json", metavar="PATH", default=None, help="also write the result as JSON")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def add_bench_llava_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
+    """`vlmod bench llava`: dense vs MoD prefill, decode and KV cache of a LLaVA model."""
+    p = subparsers.add_parser(
+        "llava",
+        help="dense vs MoD prefill latency, decode tokens/s and KV cache of a LLaVA model",
+        description="Run a LLaVA checkpoint (or a preset with LLaVA-1.5's token shapes and random "
+        "weights) dense and converted to MoD on one synthetic image, and compare the measured prefill "
+        "speedup with the FLOPs prediction.",
+    )
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--model", default=None, help="checkpoint directory or hub id")
+    source.add_argument(
+        "--preset", choices=sorted(LLAVA_PRESETS), default="llava-1.5", help="model built from config (default: llava-1.5)"
+    )
+    p.add_argument("--capacity", type=_capacity, default=0.5, help="fraction of image tokens per MoD layer (default: 0.5)")
+    p.add_argument("--layers", type=_layers, default="every_other", help="every_other | all | comma list (default: every_other)")
+    p.add_argument("--batch", type=_positive_int, default=1, help="prompts per batch (default: 1)")
+    p.add_argument("--new-tokens", type=_positive_int, default=16, help="tokens to generate (default: 16)")
+    _add_timing_arguments(p, warmup=1, repeats=5)
+    p.set_defaults(run=run_bench_llava)
+    return p
+
+
+def run_bench_llava(args: argparse.Namespace) -> int:
+    result = bench_llava(
+        model=args.model, preset=args.preset, capacity=args.capacity, layers=args.layers, batch=args.batch,
+        new_tokens=args.new_tokens, warmup=args.warmup, repeats=args.repeats, threads=args.threads,
+        progress=not args.no_progress,
+    )
+    print(format_generation_result(result))
+    if args.json:
+        write_json(args.json, result)
+        print(f"wrote {args.json}")
+    return 0
+
+
+# Benchmarks under `vlmod bench`.
+BENCHMARKS: list[Callable[[SubParsers], argparse.ArgumentParser]] = [add_bench_vit_parser, add_bench_llava_parser]
 
 
 def add_bench_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
@@ -161,10 +215,118 @@ def add_bench_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
     return p
 
 
+# ----------------------------------------------------------------------------- convert, rank
+
+
+def add_convert_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
+    """`vlmod convert`: a LLaVA checkpoint to MoD, saved with its processor and a report."""
+    p = subparsers.add_parser(
+        "convert",
+        help="convert a LLaVA checkpoint to MoD",
+        description="Load a LLaVA-family checkpoint, convert the chosen language (and optionally vision) "
+        "layers to MoD, and save it with its processor and vlmod_report.json. Flags override --config.",
+    )
+    p.add_argument("--model", default=None, help="checkpoint directory or hub id")
+    p.add_argument("--out", default=None, help="output directory (must be empty or absent, or use --overwrite)")
+    p.add_argument("--config", default=None, help="YAML file with the same options (configs/convert/*.yaml)")
+    p.add_argument("--capacity", type=_capacity, default=None, help="fraction of image tokens per MoD layer (default: 0.5)")
+    p.add_argument(
+        "--layers", default=None,
+        help="every_other | all | comma list | arank:N (the N lowest-ARank layers; needs --ranks or --calib-data)",
+    )
+    p.add_argument("--ranks", default=None, help="ranks.json from `vlmod rank`, for --layers arank:N")
+    p.add_argument("--calib-data", default=None, help="LLaVA-format JSON or image folder to rank layers on, for --layers arank:N")
+    p.add_argument("--calib-image-root", default=None, help="image folder of --calib-data JSON")
+    p.add_argument("--calib-prompt", default="describe the image .", help="prompt for an image-folder --calib-data")
+    p.add_argument("--calib-samples", type=_positive_int, default=64, help="calibration samples (default: 64)")
+    p.add_argument("--routable", default=None, help="comma list of routable token types (default: image,video)")
+    p.add_argument("--capacity-schedule", choices=("cosine",), default=None, help="per-layer capacity decay")
+    p.add_argument("--vision-capacity", type=_capacity, default=None, help="also convert the vision tower at this capacity")
+    p.add_argument("--vision-layers", type=_layers, default=None, help="vision tower layers (default: every_other)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None, help="weights dtype (default: float32)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    p.set_defaults(run=run_convert)
+    return p
+
+
+def _arank_layers(args: argparse.Namespace, spec: str) -> list[int]:
+    from vlmod import arank
+
+    try:
+        n = int(spec.split(":", 1)[1])
+    except ValueError:
+        raise UsageError(f"--layers {spec!r}: expected arank:N with N an integer") from None
+    if args.ranks:
+        if not Path(args.ranks).is_file():
+            raise UsageError(f"--ranks {args.ranks} does not exist")
+        return arank.LayerRanks.from_json(args.ranks).select(n=n)
+    if not args.calib_data:
+        raise UsageError("--layers arank:N needs --ranks ranks.json or --calib-data DATA")
+    return arank.rank_checkpoint(
+        args.model, args.calib_data, image_root=args.calib_image_root, prompt=args.calib_prompt,
+        num_samples=args.calib_samples,
+    ).select(n=n)
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    from vlmod.convert import ConvertError, ConvertOptions, convert
+
+    overrides = {
+        "model": args.model, "out": args.out, "capacity": args.capacity, "capacity_schedule": args.capacity_schedule,
+        "vision_capacity": args.vision_capacity, "vision_layers": args.vision_layers, "dtype": args.dtype,
+        "overwrite": args.overwrite or None,
+        "routable": [t.strip() for t in args.routable.split(",")] if args.routable else None,
+    }
+    try:
+        if args.config:
+            options = ConvertOptions.from_yaml(args.config, **overrides)
+        else:
+            if not args.model or not args.out:
+                raise UsageError("--model and --out are required (or give them in --config)")
+            options = ConvertOptions(**{k: v for k, v in overrides.items() if v is not None})
+        layers = args.layers if args.layers is not None else options.layers
+        if isinstance(layers, str) and layers.startswith("arank:"):
+            args.model = options.model
+            layers = _arank_layers(args, layers)
+        options.layers = parse_layers(layers)
+        report = convert(options)
+    except (ConvertError, ValueError, TypeError) as e:
+        raise UsageError(str(e)) from None
+    layers = report["layers"]
+    prediction = report["prediction"]
+    print(
+        f"converted {report['model_class']} -> {options.out}: language layers "
+        f"{','.join(layers['language']) or '-'}"
+        + (f", vision layers {','.join(layers['vision'])}" if layers["vision"] else "")
+        + f"; {report['parameters']['added']} router parameters added"
+    )
+    print(
+        f"predicted for one image ({prediction['image_tokens']} tokens) + {prediction['prompt_tokens']} prompt tokens: "
+        f"prefill {prediction['predicted_speedup']:.2f}x fewer language FLOPs, "
+        f"KV cache -{100 * prediction['kv_cache_reduction']:.1f}%"
+    )
+    return 0
+
+
+def add_rank_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
+    """`vlmod rank`: ARank of each layer, and the layers it suggests converting."""
+    from vlmod.arank import add_rank_arguments, run_rank
+
+    p = subparsers.add_parser(
+        "rank",
+        help="rank layers by the rank of their attention maps (ARank)",
+        description="Calibrate a model on real inputs and rank its layers by attention-map rank: low rank "
+        "means redundant, a good layer to convert.",
+    )
+    add_rank_arguments(p)
+    p.set_defaults(run=run_rank)
+    return p
+
+
 # ----------------------------------------------------------------------------- main
 
-# Top-level subcommands; convert, rank, finetune, evaluate, demo and audit add their builders here.
-COMMANDS: list[Callable[[SubParsers], argparse.ArgumentParser]] = [add_bench_parser]
+# Top-level subcommands.
+COMMANDS: list[Callable[[SubParsers], argparse.ArgumentParser]] = [add_convert_parser, add_rank_parser, add_bench_parser]
 
 
 def build_parser() -> argparse.ArgumentParser:

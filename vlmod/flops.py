@@ -235,3 +235,68 @@ def processed_counts(processed: Mapping[tuple[str, int], Tensor], part: str = "v
         for (p, layer), mask in sorted(processed.items())
         if p == part
     }
+
+
+@dataclass(frozen=True)
+class DecoderDims:
+    """The shapes of a LLaVA language backbone (Llama / Mistral / Qwen2) that FLOPs depend on."""
+
+    dim: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    mlp_hidden: int
+    vocab: int
+
+    @classmethod
+    def from_config(cls, config: object) -> DecoderDims:
+        heads = config.num_attention_heads
+        return cls(
+            dim=config.hidden_size,
+            layers=config.num_hidden_layers,
+            heads=heads,
+            kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            mlp_hidden=config.intermediate_size,
+            vocab=config.vocab_size,
+        )
+
+
+def decoder_layer_flops(dims: DecoderDims, n_query: float, n_key: float) -> float:
+    """One decoder layer: `n_query` new tokens attending over `n_key` keys (cache included)."""
+    return block_flops(
+        n_query, n_key, dims.dim, dims.heads, dims.kv_heads, dims.head_dim, dims.mlp_hidden, gated_mlp=True
+    )
+
+
+def language_prefill_flops(
+    dims: DecoderDims, n_tokens: float, processed_counts_per_layer: Mapping[int, float] | None = None
+) -> float:
+    """FLOPs of a prefill of `n_tokens` tokens through the language backbone (the LM head on the
+    last token only, as in generation). MoD layers run their processed tokens, which attend to each
+    other only, plus the router on every token."""
+    counts = dict(processed_counts_per_layer or {})
+    total = 0.0
+    for layer in range(dims.layers):
+        if layer in counts:
+            total += decoder_layer_flops(dims, counts[layer], counts[layer]) + router_flops(n_tokens, dims.dim)
+        else:
+            total += decoder_layer_flops(dims, n_tokens, n_tokens)
+    return total + linear_flops(1, dims.dim, dims.vocab)
+
+
+def hf_vision_dims(vision_config: object) -> ViTDims:
+    """ViTDims of a Hugging Face CLIP / SigLIP tower from its config."""
+    patch = vision_config.patch_size
+    heads = vision_config.num_attention_heads
+    return ViTDims(
+        dim=vision_config.hidden_size,
+        depth=vision_config.num_hidden_layers,
+        heads=heads,
+        head_dim=vision_config.hidden_size // heads,
+        mlp_hidden=vision_config.intermediate_size,
+        num_patches=(vision_config.image_size // patch) ** 2,
+        num_prefix=1 if "clip" in vision_config.model_type else 0,
+        patch_dim=getattr(vision_config, "num_channels", 3) * patch * patch,
+    )

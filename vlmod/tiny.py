@@ -55,14 +55,16 @@ def tokenizer() -> Any:
     return fast
 
 
-def _text_config(family: str, vocab: int, width: int, layers: int, heads: int, kv_heads: int) -> Any:
+def _text_config(
+    family: str, vocab: int, width: int, layers: int, heads: int, kv_heads: int, mlp_ratio: float
+) -> Any:
     from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
     cls = {"llava_mistral": MistralConfig, "llava_onevision": Qwen2Config}.get(family, LlamaConfig)
     return cls(
         vocab_size=vocab,
         hidden_size=width,
-        intermediate_size=2 * width,
+        intermediate_size=int(mlp_ratio * width),
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
@@ -81,6 +83,7 @@ def build(
     layers: int = 4,
     heads: int = 4,
     kv_heads: int = 2,
+    mlp_ratio: float = 2.0,
     vision_width: int = 32,
     vision_layers: int = 2,
     image_size: int = 32,
@@ -97,7 +100,7 @@ def build(
     vocab = len(tok)
     image_id = tok.convert_tokens_to_ids("<image>")
     video_id = tok.convert_tokens_to_ids("<video>")
-    text = _text_config(family, vocab, width, layers, heads, kv_heads)
+    text = _text_config(family, vocab, width, layers, heads, kv_heads, mlp_ratio)
     vision_kwargs = dict(
         hidden_size=vision_width,
         intermediate_size=2 * vision_width,

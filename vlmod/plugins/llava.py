@@ -217,48 +217,67 @@ class DecoderAdapter:
                 args, kwargs, (sel.gather(cos.expand(batch, *cos.shape[1:])), sel.gather(sin.expand(batch, *sin.shape[1:])))
             )
         query_pos = sel.gather(self.batch.positions)
-        query_valid = sel.valid if sel.valid is not None else torch.ones_like(query_pos, dtype=torch.bool)
-        key_pos, key_valid = self._cached_keys(layer_idx, self.cache_arg.get(args, kwargs), query_pos, query_valid)
-        self.mask_arg.set(args, kwargs, self._mask(query_pos, key_pos, key_valid, x_sel.dtype))
+        cache = self.cache_arg.get(args, kwargs)
+        key_pos, key_valid, cached = self._cached_keys(layer_idx, cache, query_pos, sel.valid)
+        impl = self.text_config._attn_implementation
+        if impl != "eager" and key_valid is None and (cached == 0 or query_pos.shape[1] == 1):
+            # No filler slot anywhere and every key precedes its query: plain causal attention,
+            # which sdpa and flash run without a mask (is_causal).
+            mask = None
+        else:
+            mask = self._mask(query_pos, key_pos, key_valid, x_sel.dtype)
+        self.mask_arg.set(args, kwargs, mask)
         return upstream(*args, **kwargs)
 
     def _cached_keys(
-        self, layer_idx: int, cache: Any, query_pos: Tensor, query_valid: Tensor
-    ) -> tuple[Tensor, Tensor]:
-        """Positions and validity of every key this layer's attention will see: its cached slots
-        (trimmed to the cache's real length, which also covers recomputation and resets) and the
-        current queries, which the upstream attention appends to the cache."""
+        self, layer_idx: int, cache: Any, query_pos: Tensor, query_valid: Tensor | None
+    ) -> tuple[Tensor, Tensor | None, int]:
+        """Positions and validity (None: all valid) of every key this layer's attention will see,
+        and how many were cached before: its cached slots (trimmed to the cache's real length,
+        which also covers recomputation and resets) and the current queries, which the upstream
+        attention appends to the cache."""
         if cache is None:
-            return query_pos, query_valid
+            return query_pos, query_valid, 0
         cached = int(cache.get_seq_length(layer_idx))
-        prev = self.cache_slots.get(layer_idx)
-        if cached == 0 or prev is None:
+        prev = self.cache_slots.get(layer_idx) if cached else None
+        if prev is None:
             key_pos, key_valid = query_pos, query_valid
         else:
-            if prev[0].shape[1] < cached:
+            prev_pos, prev_valid = prev
+            if prev_pos.shape[1] < cached:
                 raise RuntimeError(
                     f"the KV cache of MoD layer {layer_idx} holds {cached} tokens that vlmod did not route; "
                     "start generation from an empty cache"
                 )
-            key_pos = torch.cat([prev[0][:, :cached], query_pos], dim=1)
-            key_valid = torch.cat([prev[1][:, :cached], query_valid], dim=1)
+            key_pos = torch.cat([prev_pos[:, :cached], query_pos], dim=1)
+            if prev_valid is None and query_valid is None:
+                key_valid = None
+            else:
+                ones = torch.ones_like(query_pos, dtype=torch.bool)
+                old = prev_valid[:, :cached] if prev_valid is not None else torch.ones_like(prev_pos[:, :cached], dtype=torch.bool)
+                key_valid = torch.cat([old, query_valid if query_valid is not None else ones], dim=1)
         self.cache_slots[layer_idx] = (key_pos, key_valid)
-        return key_pos, key_valid
+        return key_pos, key_valid, cached
 
-    def _mask(self, query_pos: Tensor, key_pos: Tensor, key_valid: Tensor, dtype: torch.dtype) -> Tensor | None:
+    def _mask(
+        self, query_pos: Tensor, key_pos: Tensor, key_valid: Tensor | None, dtype: torch.dtype
+    ) -> Tensor | None:
         impl = self.text_config._attn_implementation
         if impl == "flash_attention_2":
             # Processed tokens keep their order and the cache precedes the queries, so flash's
             # bottom-right causal alignment is right; the 2D mask drops the filler slots.
-            return key_valid.long()
+            return None if key_valid is None else key_valid.long()
         n_query, n_key = query_pos.shape[1], key_pos.shape[1]
-        allowed = (key_pos[:, None, :] <= query_pos[:, :, None]) & key_valid[:, None, :]
-        # A filler query (a row with fewer processed tokens) sees at least itself, so its softmax
-        # stays finite; its output is discarded.
-        own = torch.arange(n_key, device=key_pos.device) == (
-            torch.arange(n_query, device=key_pos.device)[:, None] + (n_key - n_query)
-        )
-        allowed = (allowed | own).unsqueeze(1)
+        allowed = key_pos[:, None, :] <= query_pos[:, :, None]
+        if key_valid is not None:
+            allowed = allowed & key_valid[:, None, :]
+            # A filler query (a row with fewer processed tokens) sees at least itself, so its
+            # softmax stays finite; its output is discarded.
+            own = torch.arange(n_key, device=key_pos.device) == (
+                torch.arange(n_query, device=key_pos.device)[:, None] + (n_key - n_query)
+            )
+            allowed = allowed | own
+        allowed = allowed.unsqueeze(1)
         if impl == "sdpa":
             return allowed
         if impl == "eager":

@@ -48,7 +48,7 @@ def selection_keys(
         routable = layout.routable
         j = routable.long().cumsum(1) - 1
         n = routable.sum(1, keepdim=True).clamp_min(1)
-        k, _ = layout.budget(capacity)
+        k = layout.budget(capacity).k
         k = k.unsqueeze(1) if isinstance(k, Tensor) else k
         return -((j * k) % n).to(scores.dtype)
     raise ValueError(f"unknown router {kind!r}")

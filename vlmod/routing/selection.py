@@ -10,12 +10,22 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from vlmod.config import TokenType
 from vlmod.routing.schedule import capacity_to_k, capacity_to_k_tensor
+
+
+class Budget(NamedTuple):
+    """Slots of one capacity in one batch."""
+
+    k: Tensor | int  # routable tokens each row keeps ([B] or one count for every row)
+    total: int  # K: processed slots per row of the gathered batch (the largest row count)
+    uniform: bool  # every row processes exactly `total` tokens: no filler slots
+    full: bool  # every token of every row is processed: nothing to gather
 
 
 @dataclass
@@ -33,7 +43,7 @@ class TokenLayout:
     # Decode steps with routable text: a token runs iff its router logit is > 0 (the causal
     # predictor trained by aux_loss="bce"), since it cannot be ranked against future tokens.
     threshold: bool = False
-    _budgets: dict[float, tuple[Tensor | int, int]] = field(default_factory=dict, repr=False)
+    _budgets: dict[float, Budget] = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_types(
@@ -72,23 +82,26 @@ class TokenLayout:
         return tuple(self.token_types.shape)  # type: ignore[return-value]
 
     def prepare(self, capacities: Iterable[float]) -> None:
-        """Compute (k per row, K) for each capacity with one host sync for all of them."""
+        """Compute the budget of each capacity with one host sync for all of them."""
         caps = [c for c in dict.fromkeys(capacities) if c not in self._budgets]
         if not caps or self.num_prefix is not None:
             return
         n_routable = self.routable.sum(1)
         n_protected = self.protected.sum(1)
         ks = [capacity_to_k_tensor(c, n_routable) for c in caps]
-        totals = torch.stack([(k + n_protected).max() for k in ks]).tolist()
-        for c, k, total in zip(caps, ks, totals, strict=True):
-            self._budgets[c] = (k, int(total))
+        counts = [k + n_protected for k in ks]
+        extremes = torch.stack([torch.stack([n.max(), n.min()]) for n in counts]).tolist()
+        length = self.shape[1]
+        for c, k, (most, least) in zip(caps, ks, extremes, strict=True):
+            self._budgets[c] = Budget(k, int(most), most == least, least == length)
 
-    def budget(self, capacity: float) -> tuple[Tensor | int, int]:
-        """(k routable slots per row, K processed slots per row of the batch) at `capacity`."""
+    def budget(self, capacity: float) -> Budget:
+        """The slots of this batch at `capacity`."""
         if self.num_prefix is not None:
             length = self.shape[1]
             k = capacity_to_k(capacity, length - self.num_prefix)
-            return k, self.num_prefix + k
+            total = self.num_prefix + k
+            return Budget(k, total, True, total == length)
         if capacity not in self._budgets:
             self.prepare([capacity])
         return self._budgets[capacity]
@@ -129,30 +142,30 @@ def select_tokens(keys: Tensor, layout: TokenLayout, capacity: float) -> Selecti
     """Protected tokens plus, per row, the k = ceil(capacity * n_routable) routable tokens with the
     highest `keys` [B, L]; original order kept. No loop over rows or tokens."""
     batch, length = layout.shape
-    if layout.num_prefix is not None:
-        p = layout.num_prefix
-        k, total = layout.budget(capacity)
-        if total == length:
-            return Selection(index=None, valid=None, length=length)
-        top = keys[:, p:].topk(k, dim=1, sorted=False).indices.sort(dim=1).values + p
-        prefix = torch.arange(p, device=keys.device).expand(batch, p)
-        return Selection(index=torch.cat([prefix, top], dim=1), valid=None, length=length)
-
-    positions = torch.arange(length, device=keys.device).expand(batch, length)
     if layout.threshold:
         processed = layout.protected | (layout.routable & (keys > 0))
-        return _ordered_selection(processed, positions, int(processed.sum(1).max()))
+        positions = torch.arange(length, device=keys.device).expand(batch, length)
+        return _ordered_selection(processed, positions, int(processed.sum(1).max()), uniform=False)
+    budget = layout.budget(capacity)
+    if budget.full:
+        return Selection(index=None, valid=None, length=length)
+    if layout.num_prefix is not None:
+        p = layout.num_prefix
+        top = keys[:, p:].topk(budget.k, dim=1, sorted=False).indices.sort(dim=1).values + p
+        prefix = torch.arange(p, device=keys.device).expand(batch, p)
+        return Selection(index=torch.cat([prefix, top], dim=1), valid=None, length=length)
+    positions = torch.arange(length, device=keys.device).expand(batch, length)
     masked = keys.float().masked_fill(~layout.routable, float("-inf"))
     order = masked.argsort(dim=1, descending=True, stable=True)
     rank = torch.empty_like(order).scatter_(1, order, positions)
-    k, total = layout.budget(capacity)
-    processed = layout.protected | (layout.routable & (rank < k.unsqueeze(1)))
-    return _ordered_selection(processed, positions, total)
+    processed = layout.protected | (layout.routable & (rank < budget.k.unsqueeze(1)))
+    return _ordered_selection(processed, positions, budget.total, budget.uniform)
 
 
-def _ordered_selection(processed: Tensor, positions: Tensor, total: int) -> Selection:
-    """The `total` slots per row: processed positions ascending, then skipped ones as filler."""
+def _ordered_selection(processed: Tensor, positions: Tensor, total: int, uniform: bool) -> Selection:
+    """The `total` slots per row: processed positions ascending, then skipped ones as filler
+    (`valid` False; None when no row has filler)."""
     length = processed.shape[1]
     slot_key = torch.where(processed, positions, positions + length)
     index = slot_key.topk(total, dim=1, largest=False, sorted=True).indices
-    return Selection(index=index, valid=processed.gather(1, index), length=length)
+    return Selection(index=index, valid=None if uniform else processed.gather(1, index), length=length)

@@ -1,0 +1,245 @@
+"""Convert a LLaVA checkpoint to MoD and save it with its processor and a report."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from tqdm.auto import tqdm
+
+from vlmod.config import MoDConfig
+from vlmod.flops import DecoderDims, language_prefill_flops
+from vlmod.hf import load_config, model_class
+from vlmod.routing.schedule import capacity_to_k
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+REPORT = "vlmod_report.json"
+
+
+class ConvertError(ValueError):
+    """Bad input to `convert`: the message says what is wrong and what to do."""
+
+
+@dataclass
+class ConvertOptions:
+    model: str
+    out: str
+    capacity: float = 0.5
+    layers: str | list[int] = "every_other"
+    routable: list[str] = field(default_factory=lambda: ["image", "video"])
+    router: str = "learned"
+    share_router: bool = True
+    capacity_schedule: str | None = None
+    aux_loss: str | None = None
+    vision_capacity: float | None = None
+    vision_layers: str | list[int] | None = None
+    dtype: str = "float32"
+    overwrite: bool = False
+    prompt_tokens: int = 60
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, **overrides: Any) -> ConvertOptions:
+        path = Path(path)
+        if not path.is_file():
+            raise ConvertError(f"config file {path} does not exist")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConvertError(f"{path} is not valid YAML: {err}") from None
+        if not isinstance(data, dict):
+            raise ConvertError(f"{path} must hold a mapping of option: value")
+        known = set(cls.__dataclass_fields__)
+        unknown = set(data) - known
+        if unknown:
+            raise ConvertError(f"{path}: unknown option(s) {sorted(unknown)}; known: {sorted(known)}")
+        data.update({k: v for k, v in overrides.items() if v is not None})
+        missing = {"model", "out"} - set(data)
+        if missing:
+            raise ConvertError(f"missing option(s) {sorted(missing)} (give them in {path} or as flags)")
+        return cls(**data)
+
+    def language_config(self) -> MoDConfig:
+        return MoDConfig(
+            capacity=self.capacity, layers=self.layers, routable=tuple(self.routable), router=self.router,
+            share_router=self.share_router, capacity_schedule=self.capacity_schedule, aux_loss=self.aux_loss,
+        )
+
+    def vision_config(self) -> MoDConfig | None:
+        if self.vision_capacity is None and self.vision_layers is None:
+            return None
+        return MoDConfig(
+            capacity=self.vision_capacity if self.vision_capacity is not None else self.capacity,
+            layers=self.vision_layers if self.vision_layers is not None else "every_other",
+            share_router=self.share_router,
+        )
+
+
+def _check_out(out: Path, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise ConvertError(f"--out {out} is a file; give a directory")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise ConvertError(f"--out {out} exists and is not empty; pass --overwrite to replace it")
+
+
+def _check_llava(config: Any, source: str) -> type:
+    from vlmod.plugins import llava
+
+    try:
+        cls = model_class(config)
+    except TypeError:
+        cls = None
+    if cls is None or not issubclass(cls, llava._classes()):
+        what = getattr(config, "model_type", type(config).__name__)
+        arch = ", ".join(getattr(config, "architectures", None) or []) or "no architectures listed"
+        raise ConvertError(
+            f"{source} is not a LLaVA checkpoint: it is a {what!r} model ({arch}). "
+            f"vlmod convert supports: {', '.join(llava.FAMILIES)}"
+        )
+    return cls
+
+
+def _check_layers(config: MoDConfig, num_layers: int, part: str) -> None:
+    """Layer errors before the weights are loaded (minutes for a 7B checkpoint)."""
+    try:
+        layers = config.resolve_layers(num_layers)
+    except ValueError as err:
+        raise ConvertError(f"{part} layers: {err}") from None
+    if part == "language" and not isinstance(config.layers, str) and 0 in layers:
+        raise ConvertError(
+            "language layer 0 must stay dense: transformers sizes the causal mask and positions of "
+            "every layer from layer 0's KV cache"
+        )
+
+
+def image_tokens(config: Any) -> int:
+    """Image tokens of one image at the tower's base resolution (no anyres tiles)."""
+    vision = config.vision_config
+    n = (vision.image_size // vision.patch_size) ** 2
+    if getattr(config, "vision_feature_select_strategy", "default") == "full" and vision.model_type == "clip_vision_model":
+        n += 1
+    return n
+
+
+def predict(model: torch.nn.Module, prompt_tokens: int) -> dict[str, Any]:
+    """Predicted language-model prefill FLOPs and KV-cache size, dense vs MoD, for one image and
+    a prompt of `prompt_tokens` text tokens."""
+    import vlmod
+
+    config = model.config
+    dims = DecoderDims.from_config(config.text_config)
+    n_image = image_tokens(config)
+    total = n_image + prompt_tokens
+    counts = {
+        i: prompt_tokens + capacity_to_k(c, n_image)
+        for (part, i), c in vlmod.mod_layers(model).items()
+        if part == "language"
+    }
+    dense_flops = language_prefill_flops(dims, total)
+    mod_flops = language_prefill_flops(dims, total, counts)
+    dense_kv = dims.layers * total
+    mod_kv = sum(counts.get(i, total) for i in range(dims.layers))
+    per_token = 2 * dims.kv_heads * dims.head_dim * torch.finfo(model.dtype).bits // 8
+    return {
+        "image_tokens": n_image,
+        "prompt_tokens": prompt_tokens,
+        "language_prefill_flops": {"dense": dense_flops, "mod": mod_flops},
+        "predicted_speedup": dense_flops / mod_flops,
+        "kv_cache_bytes": {"dense": dense_kv * per_token, "mod": mod_kv * per_token},
+        "kv_cache_reduction": 1.0 - mod_kv / dense_kv,
+    }
+
+
+def convert(options: ConvertOptions) -> dict[str, Any]:
+    """Load, convert, save (to a temporary directory renamed into place) and report."""
+    import vlmod
+
+    out = Path(options.out).expanduser()
+    _check_out(out, options.overwrite)
+    if options.dtype not in DTYPES:
+        raise ConvertError(f"--dtype must be one of {sorted(DTYPES)}, got {options.dtype!r}")
+    try:
+        language = options.language_config()
+        vision = options.vision_config()
+    except ValueError as err:
+        raise ConvertError(str(err)) from None
+    try:
+        config = load_config(options.model)
+    except FileNotFoundError as err:
+        raise ConvertError(str(err)) from None
+    cls = _check_llava(config, options.model)
+    _check_layers(language, config.text_config.num_hidden_layers, "language")
+    if vision is not None:
+        _check_layers(vision, config.vision_config.num_hidden_layers, "vision")
+    steps = tqdm(total=4, desc="convert", unit="step")
+    steps.set_postfix_str("loading")
+    model = cls.from_pretrained(options.model, dtype=DTYPES[options.dtype])
+    processor = _load_processor(options.model)
+    steps.update()
+    before = sum(p.numel() for p in model.parameters())
+    steps.set_postfix_str("converting")
+    try:
+        vlmod.apply_mod(model, language, part="language")
+        if vision is not None:
+            vlmod.apply_mod(model, vision, part="vision")
+    except ValueError as err:
+        raise ConvertError(str(err)) from None
+    steps.update()
+    report = {
+        "source": options.model,
+        "model_class": cls.__name__,
+        "dtype": options.dtype,
+        "layers": {
+            part: {str(i): c for (p, i), c in vlmod.mod_layers(model).items() if p == part}
+            for part in ("language", "vision")
+        },
+        "settings": model.config.vlmod,
+        "parameters": {"dense": before, "added": sum(p.numel() for p in model.parameters()) - before},
+        "prediction": predict(model, options.prompt_tokens),
+    }
+    steps.set_postfix_str("saving")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        model.save_pretrained(tmp)
+        if processor is not None:
+            processor.save_pretrained(tmp)
+        (tmp / REPORT).write_text(json.dumps(report, indent=2) + "\n")
+        steps.update()
+        _replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    steps.update()
+    steps.close()
+    return report
+
+
+def _load_processor(source: str) -> Any:
+    from transformers import AutoProcessor
+
+    try:
+        return AutoProcessor.from_pretrained(source)
+    except (OSError, ValueError, TypeError) as err:
+        tqdm.write(f"warning: no processor saved: {source} has none that loads ({str(err).splitlines()[0]})")
+        return None
+
+
+def _replace_dir(new: Path, target: Path) -> None:
+    """Move `new` to `target`; an old `target` is removed only after the move succeeded."""
+    if not target.exists():
+        new.rename(target)
+        return
+    backup = target.with_name(f".{target.name}.old-{new.name[-8:]}")
+    target.rename(backup)
+    try:
+        new.rename(target)
+    except BaseException:
+        backup.rename(target)
+        raise
+    shutil.rmtree(backup, ignore_errors=True)
