@@ -1,0 +1,143 @@
+"""The convert script on tiny checkpoints saved to temp dirs, as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import CLIPVisionConfig, CLIPVisionModel
+
+import vlmod
+from vlmod import tiny
+from vlmod.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return tiny.save("llava", tmp_path_factory.mktemp("ckpt") / "tiny-llava")
+
+
+def _inputs(processor) -> dict:
+    from PIL import Image
+
+    text = processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what color is the circle"}]}],
+        add_generation_prompt=True,
+    )
+    return dict(processor(images=[Image.new("RGB", (40, 32), (200, 30, 30))], text=[text], return_tensors="pt"))
+
+
+def test_script_converts_and_load_pretrained_gives_it_back(checkpoint, tmp_path):
+    out = tmp_path / "mod"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "convert_llava.py"), "--model", str(checkpoint), "--out", str(out),
+         "--capacity", "0.5", "--layers", "1,3", "--vision-capacity", "0.5", "--vision-layers", "1"],
+        capture_output=True, text=True, env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"},
+    )
+    assert result.returncode == 0, result.stderr
+    assert "converted LlavaForConditionalGeneration" in result.stdout
+    report = json.loads((out / "vlmod_report.json").read_text())
+    assert report["layers"] == {"language": {"1": 0.5, "3": 0.5}, "vision": {"1": 0.5}}
+    assert report["parameters"]["added"] == (64 + 1) + (32 + 1)  # one shared router per part
+    prediction = report["prediction"]
+    assert prediction["image_tokens"] == 16 and prediction["predicted_speedup"] > 1.0
+    assert 0.0 < prediction["kv_cache_reduction"] < 1.0
+    assert (out / "tokenizer.json").is_file() and (out / "processor_config.json").is_file()
+
+    loaded = vlmod.load_pretrained(out)
+    assert vlmod.mod_layers(loaded) == {("vision", 1): 0.5, ("language", 1): 0.5, ("language", 3): 0.5}
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(out)
+    expected, _ = tiny.build("llava")
+    vlmod.apply_mod(expected, vlmod.MoDConfig(capacity=0.5, layers=[1, 3]))
+    vlmod.apply_mod(expected, vlmod.MoDConfig(capacity=0.5, layers=[1]), part="vision")
+    inputs = _inputs(processor)
+    with torch.no_grad():
+        assert torch.equal(loaded(**inputs).logits, expected(**inputs).logits)
+
+
+def test_yaml_config_and_flag_override(checkpoint, tmp_path):
+    config = tmp_path / "convert.yaml"
+    config.write_text(f"model: {checkpoint}\nout: {tmp_path / 'from-yaml'}\ncapacity: 0.25\nlayers: all\n")
+    assert main(["convert", "--config", str(config), "--capacity", "0.5"]) == 0
+    report = json.loads((tmp_path / "from-yaml" / "vlmod_report.json").read_text())
+    assert report["layers"]["language"] == {"1": 0.5, "2": 0.5, "3": 0.5}
+
+
+def test_layers_from_a_ranks_file(checkpoint, tmp_path):
+    from vlmod.arank import LayerRanks
+
+    ranks = LayerRanks(
+        part="language", mean=[9.0, 3.0, 8.0, 1.0], std=[0.0] * 4, normalized=[0.9, 0.3, 0.8, 0.1],
+        normalized_std=[0.0] * 4, num_samples=4, tokens=[10] * 4, family="llava", dense_layers=[0],
+    )
+    ranks.to_json(tmp_path / "ranks.json")
+    out = tmp_path / "arank"
+    assert main(["convert", "--model", str(checkpoint), "--out", str(out), "--layers", "arank:2",
+                 "--ranks", str(tmp_path / "ranks.json")]) == 0
+    report = json.loads((out / "vlmod_report.json").read_text())
+    assert set(report["layers"]["language"]) == {"1", "3"}
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model", "/nonexistent/model"], "does not exist"),
+        (["--capacity", "0"], "capacity must be in (0, 1]"),
+        (["--layers", "0,1"], "layer 0 must stay dense"),
+        (["--layers", "1,9"], "out of range"),
+        (["--layers", "arank:2"], "needs --ranks"),
+        (["--dtype", "int8"], "invalid choice"),
+    ],
+)
+def test_bad_input_is_one_error_line(checkpoint, tmp_path, capsys, args, message):
+    argv = ["convert", "--model", str(checkpoint), "--out", str(tmp_path / "out"), *args]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and message in err[-1]
+    assert not (tmp_path / "out").exists()
+
+
+def test_not_a_llava_checkpoint(tmp_path, capsys):
+    clip = tmp_path / "clip"
+    CLIPVisionModel(CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, image_size=32, patch_size=8)).save_pretrained(clip)
+    assert main(["convert", "--model", str(clip), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "not a LLaVA checkpoint" in err and "clip_vision_model" in err
+
+
+def test_existing_output_is_kept_without_overwrite_and_replaced_with_it(checkpoint, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("precious")
+    assert main(["convert", "--model", str(checkpoint), "--out", str(out)]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+    assert (out / "keep.txt").read_text() == "precious"
+    assert main(["convert", "--model", str(checkpoint), "--out", str(out), "--overwrite"]) == 0
+    assert not (out / "keep.txt").exists() and (out / "vlmod_report.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_nothing_half_written_when_saving_fails(checkpoint, tmp_path, monkeypatch):
+    from transformers import LlavaForConditionalGeneration
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("old result")
+
+    def broken_save(self, *args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(LlavaForConditionalGeneration, "save_pretrained", broken_save)
+    with pytest.raises(OSError, match="disk full"):
+        main(["convert", "--model", str(checkpoint), "--out", str(out), "--overwrite"])
+    assert (out / "keep.txt").read_text() == "old result"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
