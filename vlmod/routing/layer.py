@@ -83,17 +83,19 @@ class MoDPart:
         return getattr(owner, ROUTER_ATTR)
 
     def record(self, layer_idx: int, sel: Selection, scores: Tensor, layout: TokenLayout) -> None:
+        """Keep the aux loss and the trace of this layer's forward (by layer, so a checkpoint rerun
+        overwrites rather than adds)."""
+        if self.config.aux_loss != "bce" and self.trace is None:
+            return
+        if sel.index is None:
+            processed = torch.ones(layout.shape, dtype=torch.bool, device=scores.device)
+        else:
+            processed = sel.processed_mask()
         if self.config.aux_loss == "bce":
-            processed = sel.processed_mask() if sel.index is not None else layout.routable
             weight = layout.routable.float()
             bce = F.binary_cross_entropy_with_logits(scores.float(), processed.float(), reduction="none")
             self.aux_losses[layer_idx] = (bce * weight).sum() / weight.sum().clamp_min(1.0)
         if self.trace is not None:
-            processed = (
-                sel.processed_mask()
-                if sel.index is not None
-                else torch.ones(layout.shape, dtype=torch.bool, device=scores.device)
-            )
             self.trace.record(self.name, layer_idx, processed, scores.detach(), layout.token_types)
 
 
