@@ -86,6 +86,21 @@ def test_layers_from_a_ranks_file(checkpoint, tmp_path):
     assert set(report["layers"]["language"]) == {"1", "3"}
 
 
+def test_layers_ranked_on_the_fly(checkpoint, tmp_path):
+    from PIL import Image
+
+    images = tmp_path / "images"
+    images.mkdir()
+    for i in range(3):
+        Image.new("RGB", (32 + 8 * i, 32), (40 * i, 200, 90)).save(images / f"{i}.png")
+    out = tmp_path / "arank-calib"
+    argv = ["convert", "--model", str(checkpoint), "--out", str(out), "--layers", "arank:2",
+            "--calib-data", str(images), "--calib-prompt", "what color is the image ?", "--calib-samples", "3"]
+    assert main(argv) == 0
+    report = json.loads((out / "vlmod_report.json").read_text())
+    assert len(report["layers"]["language"]) == 2 and "0" not in report["layers"]["language"]
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

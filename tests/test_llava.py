@@ -102,6 +102,12 @@ def test_generate_cache_matches_full_forward(family_model):
     for key, processed in trace.processed.items():
         assert processed.shape[1] == inputs["input_ids"].shape[1] + new - 1
         assert torch.equal(processed.sum(1), expected + new - 1), key
+        # The layer's KV cache: one slot per processed token of the longest row; the other rows'
+        # extra slots are filler that no query attends to.
+        assert gen.past_key_values.get_seq_length(key[1]) == int(expected.max()) + new - 1
+        _, valid = mod.model.language_model.__dict__["_vlmod_part"].adapter.cache_slots[key[1]]
+        if valid is not None:
+            assert torch.equal(valid.sum(1), expected + new - 1)
     full = {**inputs, "input_ids": gen.sequences[:, :-1]}
     full["attention_mask"] = torch.cat(
         [inputs["attention_mask"], torch.ones(3, new - 1, dtype=inputs["attention_mask"].dtype)], dim=1
