@@ -20,10 +20,13 @@ from typing import Any, NoReturn
 
 from vlmod.bench import (
     LLAVA_PRESETS,
+    VIDEO_PRESETS,
     InputError,
     bench_llava,
+    bench_video,
     bench_vit,
     format_generation_result,
+    format_video_result,
     format_vit_result,
     parse_layers,
     write_json,
@@ -202,8 +205,53 @@ def run_bench_llava(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_bench_video_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
+    """`vlmod bench video`: dense vs MoD video question answering, end to end."""
+    p = subparsers.add_parser(
+        "video",
+        help="dense vs MoD frames/s of a video LLaVA model, end to end",
+        description="Run a LlavaNextVideo / LlavaOnevision checkpoint (or a preset with LLaVA-NeXT-Video-7B's "
+        "token shapes and random weights) dense and converted to MoD on a video clip: frame decoding, "
+        "preprocessing, vision tower, prefill and generation, timed interleaved. Reports end-to-end "
+        "frames/s, where the time goes, and the measured prefill speedup against the FLOPs prediction.",
+    )
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--model", default=None, help="LlavaNextVideo or LlavaOnevision checkpoint directory or hub id")
+    source.add_argument(
+        "--preset", default="llava-next-video-7b",
+        help=f"model built from config: {' | '.join(sorted(VIDEO_PRESETS))} (default: llava-next-video-7b)",
+    )
+    p.add_argument("--video", default=None, help="video file (default: a generated 3 s clip)")
+    p.add_argument("--frames", type=_positive_int, default=8, help="frames sampled uniformly from the clip (default: 8)")
+    p.add_argument("--batch", type=_positive_int, default=1, help="clips per batch (default: 1)")
+    p.add_argument("--capacity", type=_capacity, default=0.5, help="fraction of video tokens per MoD layer (default: 0.5)")
+    p.add_argument(
+        "--layers", type=_layers, default=None,
+        help="every_other | all | comma list (default: every layer but the first two and the last)",
+    )
+    p.add_argument("--new-tokens", type=_positive_int, default=16, help="tokens to generate (default: 16)")
+    _add_timing_arguments(p, warmup=1, repeats=5)
+    p.set_defaults(run=run_bench_video)
+    return p
+
+
+def run_bench_video(args: argparse.Namespace) -> int:
+    result = bench_video(
+        model=args.model, preset=args.preset, video=args.video, frames=args.frames, batch=args.batch,
+        capacity=args.capacity, layers=args.layers, new_tokens=args.new_tokens, warmup=args.warmup,
+        repeats=args.repeats, threads=args.threads, progress=not args.no_progress,
+    )
+    print(format_video_result(result))
+    if args.json:
+        write_json(args.json, result)
+        print(f"wrote {args.json}")
+    return 0
+
+
 # Benchmarks under `vlmod bench`.
-BENCHMARKS: list[Callable[[SubParsers], argparse.ArgumentParser]] = [add_bench_vit_parser, add_bench_llava_parser]
+BENCHMARKS: list[Callable[[SubParsers], argparse.ArgumentParser]] = [
+    add_bench_vit_parser, add_bench_llava_parser, add_bench_video_parser,
+]
 
 
 def add_bench_parser(subparsers: SubParsers) -> argparse.ArgumentParser:

@@ -11,8 +11,15 @@ nothing is duplicated, so per-frame token counts stay honest.
 
 from __future__ import annotations
 
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -64,19 +71,72 @@ def load_video(path: str | Path, num_frames: int = 8, sample: str = "uniform", f
     except ImportError:
         return _load_with_av(path, num_frames, sample, fps)
     decord.bridge.set_bridge("native")
-    try:
+    decord.logging.set_level(decord.logging.QUIET)  # ffmpeg's own log lines
+
+    def open_reader() -> tuple[Any, int, float]:
         reader = decord.VideoReader(str(path), ctx=decord.cpu(0))
-        total = len(reader)
-        video_fps = float(reader.get_avg_fps() or 0.0)
-    except Exception as err:  # decord raises its own DECORDError, RuntimeError, ...
-        raise VideoError(f"could not read {path}: not a readable video ({str(err).splitlines()[0][:200]})") from None
+        return reader, len(reader), float(reader.get_avg_fps() or 0.0)
+
+    # decord raises its own DECORDError, RuntimeError, ...
+    opened, reason = _quietly(open_reader)
+    if reason is not None:
+        raise VideoError(f"could not read {path}: not a readable video ({reason})")
+    reader, total, video_fps = opened
     idx = sample_indices(total, num_frames, sample, fps, video_fps)
-    try:
+
+    def decode() -> tuple[np.ndarray, np.ndarray]:
         frames = reader.get_batch(list(idx)).asnumpy()
-        stamps = np.asarray(reader.get_frame_timestamp(list(idx)))[:, 0]
-    except Exception as err:
-        raise VideoError(f"could not decode frames of {path}: the file is corrupt ({str(err).splitlines()[0][:200]})") from None
+        return frames, np.asarray(reader.get_frame_timestamp(list(idx)))[:, 0]
+
+    decoded, reason = _quietly(decode)
+    if reason is not None:
+        raise VideoError(f"could not decode frames of {path}: the file is corrupt ({reason})")
+    frames, stamps = decoded
     return Video(frames=frames, timestamps=stamps.astype(np.float64), fps=video_fps, total_frames=total)
+
+
+def _quietly(fn: Callable[[], Any]) -> tuple[Any, str | None]:
+    """(fn(), None), or (None, a short reason) when it raised; what native code logged to stderr
+    meanwhile is kept out of the terminal."""
+    with _native_stderr() as log:
+        try:
+            return fn(), None
+        except Exception as err:
+            failure = err
+    return None, _reason(failure, log)
+
+
+@contextmanager
+def _native_stderr() -> Iterator[list[str]]:
+    """Capture what native code writes to file descriptor 2 inside the block (decord logs its errors
+    there with dmlc's logger, which no setting silences), so a bad file gives one VideoError instead
+    of log lines around it. The captured lines are yielded for the error message."""
+    lines: list[str] = []
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError, AttributeError):  # no descriptor 2 to redirect: leave it alone
+        yield lines
+        return
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield lines
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            lines.extend(sink.read().decode(errors="replace").splitlines())
+
+
+def _reason(err: BaseException, log: list[str]) -> str:
+    """The most telling short reason: decord's logged line when there is one, else the exception's
+    first line; without the timestamp and C++ source location dmlc puts in front."""
+    for line in [*reversed(log), *str(err).splitlines()[:1]]:
+        text = re.sub(r"^\[[^]]*\]\s*\S+:\d+:\s*", "", line).strip()
+        if text:
+            return text[:200]
+    return type(err).__name__
 
 
 def _load_with_av(path: Path, num_frames: int, sample: str, fps: float | None) -> Video:
@@ -85,10 +145,12 @@ def _load_with_av(path: Path, num_frames: int, sample: str, fps: float | None) -
 
     try:
         with av.open(str(path)) as container:
+            if not container.streams.video:
+                raise VideoError(f"could not read {path}: it has no video stream")
             stream = container.streams.video[0]
             video_fps = float(stream.average_rate or 0.0)
             decoded = [(f.to_ndarray(format="rgb24"), float(f.time or 0.0)) for f in container.decode(stream)]
-    except (av.error.FFmpegError, IndexError) as err:
+    except av.error.FFmpegError as err:
         raise VideoError(f"could not read {path}: not a readable video ({err})") from None
     idx = sample_indices(len(decoded), num_frames, sample, fps, video_fps)
     frames = np.stack([decoded[i][0] for i in idx])
@@ -102,16 +164,23 @@ def write_video(path: str | Path, frames: np.ndarray, fps: int = 8) -> Path:
 
     path = Path(path)
     frames = np.asarray(frames, dtype=np.uint8)
+    if frames.ndim != 4 or frames.shape[3] != 3 or frames.shape[0] < 1 or min(frames.shape[1:3]) < 2:
+        # PyAV writes no file at all for zero frames; say why instead of failing on the rename.
+        raise ValueError(f"write_video needs frames [T, H, W, 3] with T >= 1 and H, W >= 2, got shape {frames.shape}")
     h, w = frames.shape[1] // 2 * 2, frames.shape[2] // 2 * 2
     tmp = path.with_name(f".{path.name}.tmp{path.suffix}")
-    with av.open(str(tmp), mode="w") as container:
-        stream = container.add_stream("libx264", rate=fps)
-        stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
-        stream.options = {"crf": "18", "preset": "ultrafast"}
-        for frame in frames:
-            for packet in stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame[:h, :w]), format="rgb24")):
+    try:
+        with av.open(str(tmp), mode="w") as container:
+            stream = container.add_stream("libx264", rate=fps)
+            stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
+            stream.options = {"crf": "18", "preset": "ultrafast"}
+            for frame in frames:
+                picture = av.VideoFrame.from_ndarray(np.ascontiguousarray(frame[:h, :w]), format="rgb24")
+                for packet in stream.encode(picture):
+                    container.mux(packet)
+            for packet in stream.encode():
                 container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    tmp.replace(path)
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return path
