@@ -8,7 +8,8 @@ records::
                         {"from": "gpt", "value": "A cat."}]}]
 
 `image` is a path relative to an image folder (or absolute), a list of such paths for
-multi-image records, or absent for text-only records. A `.jsonl` file with one record per line
+multi-image records, or absent for text-only records; `video` (video records) is a path
+resolved the same way. A `.jsonl` file with one record per line
 is read too. Calibration (`vlmod.arank`) and fine-tuning share this reader, so both give the
 same errors for the same broken file: a missing file, malformed JSON (with line and column) or
 a record without the keys the format requires names the file and the record.
@@ -23,8 +24,10 @@ from pathlib import Path
 from typing import Any
 
 IMAGE_TOKEN = "<image>"
+VIDEO_TOKEN = "<video>"
 HUMAN_ROLES = ("human", "user")
 ASSISTANT_ROLES = ("gpt", "assistant")
+SYSTEM_ROLES = ("system",)
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 
 
@@ -35,13 +38,15 @@ class DataError(ValueError):
 
 @dataclass(frozen=True)
 class LlavaRecord:
-    """One LLaVA-format record with its image paths resolved."""
+    """One LLaVA-format record with its image paths resolved. `video` is the entry as written in
+    the file, `video_path` the same path resolved against the image folder."""
 
     id: str
     conversations: tuple[dict[str, str], ...]
     images: tuple[Path, ...] = ()
     video: str | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    video_path: Path | None = None
 
     @property
     def first_question(self) -> str:
@@ -114,12 +119,16 @@ def parse_record(raw: Any, index: int, image_root: str | Path, source: str = "da
         images = image
     else:
         raise DataError(f"{where}: 'image' must be a path or a list of paths, got {image!r:.80}")
+    video = raw.get("video")
+    if video is not None and not isinstance(video, str):
+        raise DataError(f"{where}: 'video' must be a path, got {video!r:.80}")
     return LlavaRecord(
         id=str(raw.get("id", index)),
         conversations=tuple(turns),
         images=tuple(resolve_image_path(i, image_root) for i in images),
-        video=raw.get("video"),
+        video=video,
         raw=raw,
+        video_path=resolve_image_path(video, image_root) if video is not None else None,
     )
 
 
