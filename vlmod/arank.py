@@ -47,6 +47,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from vlmod.argtypes import fraction, non_negative_int, positive_int
 from vlmod.config import MoDConfig
 from vlmod.data.llava_format import IMAGE_EXTENSIONS, DataError, list_images, load_image, load_records
 
@@ -725,34 +726,10 @@ class RankInputError(ValueError):
     """Bad input to `vlmod rank` (model, data, selection flags): one `error:` line, exit 2."""
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
 
 
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text}")
-    return value
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -778,10 +755,10 @@ def add_rank_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         help="question for a folder of images; with a JSON it replaces each record's question",
     )
     parser.add_argument(
-        "--num-samples", type=_positive_int, default=64, help="calibration samples (default: 64)"
+        "--num-samples", type=positive_int, default=64, help="calibration samples (default: 64)"
     )
     parser.add_argument(
-        "--batch-size", type=_positive_int, default=4, help="samples per forward (default: 4)"
+        "--batch-size", type=positive_int, default=4, help="samples per forward (default: 4)"
     )
     parser.add_argument("--out", default="ranks.json", help="where to write the ranks (default: ranks.json)")
     parser.add_argument(
@@ -795,24 +772,24 @@ def add_rank_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     )
     parser.add_argument(
         "--select",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         metavar="N",
         help="suggest the N lowest-rank layers (default: half the layers, as many as layers=every_other)",
     )
     parser.add_argument(
         "--threshold",
-        type=_fraction,
+        type=fraction,
         default=None,
         help="suggest only layers with normalised rank (rank / tokens) <= this; --select then caps the count",
     )
     parser.add_argument(
         "--keep-first",
-        type=_non_negative_int,
+        type=non_negative_int,
         default=0,
         help="first K layers stay dense (LLaVA language: >= 1)",
     )
-    parser.add_argument("--keep-last", type=_non_negative_int, default=0, help="last K layers stay dense")
+    parser.add_argument("--keep-last", type=non_negative_int, default=0, help="last K layers stay dense")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sample order (default: 0)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     parser.add_argument(

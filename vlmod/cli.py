@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from vlmod.argtypes import non_negative_int, positive_int
 from vlmod.bench import (
     LLAVA_PRESETS,
     VIDEO_PRESETS,
@@ -60,24 +61,8 @@ def _capacity(text: str) -> float:
     return value
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
 
 
 def _layers(text: str) -> str | list[int]:
@@ -105,7 +90,7 @@ def add_bench_vit_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--source", choices=("timm", "open_clip"), default="timm", help="model library (default: timm)"
     )
-    p.add_argument("--batch", type=_positive_int, default=8, help="images per forward (default: 8)")
+    p.add_argument("--batch", type=positive_int, default=8, help="images per forward (default: 8)")
     p.add_argument(
         "--capacity",
         type=_capacity,
@@ -119,19 +104,19 @@ def add_bench_vit_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
         help="every_other | all | comma list of block indices (default: every_other)",
     )
     p.add_argument(
-        "--image-size", type=_positive_int, default=None, help="input resolution (default: the model's)"
+        "--image-size", type=positive_int, default=None, help="input resolution (default: the model's)"
     )
     p.add_argument(
         "--warmup",
-        type=_non_negative_int,
+        type=non_negative_int,
         default=3,
         help="untimed forwards of each model first (default: 3)",
     )
     p.add_argument(
-        "--repeats", type=_positive_int, default=10, help="timed forwards of each model (default: 10)"
+        "--repeats", type=positive_int, default=10, help="timed forwards of each model (default: 10)"
     )
     p.add_argument(
-        "--threads", type=_positive_int, default=None, help="torch intra-op threads (default: torch's)"
+        "--threads", type=positive_int, default=None, help="torch intra-op threads (default: torch's)"
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and batch (default: 0)")
     p.add_argument("--json", metavar="PATH", default=None, help="also write the result as JSON")
@@ -162,9 +147,9 @@ def run_bench_vit(args: argparse.Namespace) -> int:
 
 
 def _add_timing_arguments(p: argparse.ArgumentParser, warmup: int, repeats: int) -> None:
-    p.add_argument("--warmup", type=_non_negative_int, default=warmup, help=f"untimed runs first (default: {warmup})")
-    p.add_argument("--repeats", type=_positive_int, default=repeats, help=f"timed runs (default: {repeats})")
-    p.add_argument("--threads", type=_positive_int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--warmup", type=non_negative_int, default=warmup, help=f"untimed runs first (default: {warmup})")
+    p.add_argument("--repeats", type=positive_int, default=repeats, help=f"timed runs (default: {repeats})")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--json", metavar="PATH", default=None, help="also write the result as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -185,8 +170,8 @@ def add_bench_llava_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--capacity", type=_capacity, default=0.5, help="fraction of image tokens per MoD layer (default: 0.5)")
     p.add_argument("--layers", type=_layers, default="every_other", help="every_other | all | comma list (default: every_other)")
-    p.add_argument("--batch", type=_positive_int, default=1, help="prompts per batch (default: 1)")
-    p.add_argument("--new-tokens", type=_positive_int, default=16, help="tokens to generate (default: 16)")
+    p.add_argument("--batch", type=positive_int, default=1, help="prompts per batch (default: 1)")
+    p.add_argument("--new-tokens", type=positive_int, default=16, help="tokens to generate (default: 16)")
     _add_timing_arguments(p, warmup=1, repeats=5)
     p.set_defaults(run=run_bench_llava)
     return p
@@ -222,14 +207,14 @@ def add_bench_video_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
         help=f"model built from config: {' | '.join(sorted(VIDEO_PRESETS))} (default: llava-next-video-7b)",
     )
     p.add_argument("--video", default=None, help="video file (default: a generated 3 s clip)")
-    p.add_argument("--frames", type=_positive_int, default=8, help="frames sampled uniformly from the clip (default: 8)")
-    p.add_argument("--batch", type=_positive_int, default=1, help="clips per batch (default: 1)")
+    p.add_argument("--frames", type=positive_int, default=8, help="frames sampled uniformly from the clip (default: 8)")
+    p.add_argument("--batch", type=positive_int, default=1, help="clips per batch (default: 1)")
     p.add_argument("--capacity", type=_capacity, default=0.5, help="fraction of video tokens per MoD layer (default: 0.5)")
     p.add_argument(
         "--layers", type=_layers, default=None,
         help="every_other | all | comma list (default: every layer but the first two and the last)",
     )
-    p.add_argument("--new-tokens", type=_positive_int, default=16, help="tokens to generate (default: 16)")
+    p.add_argument("--new-tokens", type=positive_int, default=16, help="tokens to generate (default: 16)")
     _add_timing_arguments(p, warmup=1, repeats=5)
     p.set_defaults(run=run_bench_video)
     return p
@@ -286,7 +271,7 @@ def add_convert_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
     p.add_argument("--calib-data", default=None, help="LLaVA-format JSON or image folder to rank layers on, for --layers arank:N")
     p.add_argument("--calib-image-root", default=None, help="image folder of --calib-data JSON")
     p.add_argument("--calib-prompt", default="describe the image .", help="prompt for an image-folder --calib-data")
-    p.add_argument("--calib-samples", type=_positive_int, default=64, help="calibration samples (default: 64)")
+    p.add_argument("--calib-samples", type=positive_int, default=64, help="calibration samples (default: 64)")
     p.add_argument("--routable", default=None, help="comma list of routable token types (default: image,video)")
     p.add_argument("--capacity-schedule", choices=("cosine",), default=None, help="per-layer capacity decay")
     p.add_argument("--vision-capacity", type=_capacity, default=None, help="also convert the vision tower at this capacity")

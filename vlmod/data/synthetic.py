@@ -65,6 +65,8 @@ from typing import Any
 
 import numpy as np
 
+from vlmod.argtypes import non_negative_int
+
 COLORS: dict[str, tuple[int, int, int]] = {
     "red": (220, 30, 30),
     "green": (30, 170, 50),
@@ -431,7 +433,7 @@ def _split_records(
             name = f"{i:06d}.png"
             _write_png(folder / name, img)
             record["image"] = f"images/{split}/{name}"
-            placeholder = "<image>"
+            media_token = "<image>"
         else:
             from vlmod.video import write_video
 
@@ -439,10 +441,10 @@ def _split_records(
             name = f"{i:06d}.mp4"
             write_video(folder / name, frames, fps=VIDEO_FPS)
             record["video"] = f"videos/{split}/{name}"
-            placeholder = "<video>"
+            media_token = "<video>"
         names.add(name)
         record["conversations"] = [
-            {"from": "human", "value": f"{placeholder}\n{question}"},
+            {"from": "human", "value": f"{media_token}\n{question}"},
             {"from": "gpt", "value": answer},
         ]
         record["meta"] = meta
@@ -550,22 +552,14 @@ def generate(
 # ----------------------------------------------------------------------------- command line
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
-    return value
 
 
 def add_make_data_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The flags of `scripts/make_synthetic_data.py` (and `vlmod data synthetic`); sets
     `run=run_make_data` as default."""
     parser.add_argument("--out", default="data/synthetic", help="output folder (default: data/synthetic)")
-    parser.add_argument("--train", type=_non_negative_int, default=2000, help="train images (default: 2000)")
-    parser.add_argument("--val", type=_non_negative_int, default=200, help="validation images (default: 200)")
+    parser.add_argument("--train", type=non_negative_int, default=2000, help="train images (default: 2000)")
+    parser.add_argument("--val", type=non_negative_int, default=200, help="validation images (default: 200)")
     parser.add_argument(
         "--image-size", type=int, default=64, help=f"image side in px, >= {MIN_IMAGE_SIZE} (default: 64)"
     )
@@ -577,15 +571,15 @@ def add_make_data_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
     )
     parser.add_argument(
         "--distractors",
-        type=_non_negative_int,
+        type=non_negative_int,
         default=2,
         help=f"at most this many extra shapes in colour/shape/position images, 0..{MAX_DISTRACTORS} "
         "(default: 2; 0 = one shape per image, an easier set)",
     )
     parser.add_argument("--video", action="store_true", help="also write the video set (video_train/val.json)")
-    parser.add_argument("--videos", type=_non_negative_int, default=200, help="train videos (default: 200)")
+    parser.add_argument("--videos", type=non_negative_int, default=200, help="train videos (default: 200)")
     parser.add_argument(
-        "--val-videos", type=_non_negative_int, default=None, help="validation videos (default: a tenth of --videos)"
+        "--val-videos", type=non_negative_int, default=None, help="validation videos (default: a tenth of --videos)"
     )
     parser.add_argument("--frames", type=int, default=8, help="frames per video (default: 8)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
