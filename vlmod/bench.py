@@ -417,15 +417,17 @@ def format_vit_result(result: Mapping[str, Any]) -> str:
 # LLaVA-1.5-7B's token shapes (576 image tokens from a 336 px CLIP tower with 14 px patches, a
 # ~60-token prompt, 32 decoder layers, Llama's MLP ratio 11008/4096) at a width that runs on a
 # laptop CPU; the vision tower is kept small, as it is a small share of a 7B model's compute.
+CPU_7B_SHAPES: dict[str, Any] = dict(
+    width=512, layers=32, heads=8, kv_heads=8, mlp_ratio=11008 / 4096,
+    vision_width=64, vision_layers=2, image_size=336, patch_size=14,
+)
+TINY_SHAPES: dict[str, Any] = dict(
+    width=64, layers=4, heads=4, kv_heads=2, vision_width=32, vision_layers=2, image_size=32, patch_size=8,
+    prompt_tokens=12,
+)
 LLAVA_PRESETS: dict[str, dict[str, Any]] = {
-    "llava-1.5": dict(
-        family="llava", width=512, layers=32, heads=8, kv_heads=8, mlp_ratio=11008 / 4096,
-        vision_width=64, vision_layers=2, image_size=336, patch_size=14, prompt_tokens=60,
-    ),
-    "tiny": dict(
-        family="llava", width=64, layers=4, heads=4, kv_heads=2, vision_width=32, vision_layers=2,
-        image_size=32, patch_size=8, prompt_tokens=12,
-    ),
+    "llava-1.5": dict(family="llava", **CPU_7B_SHAPES, prompt_tokens=60),
+    "tiny": dict(family="llava", **TINY_SHAPES),
 }
 
 
@@ -700,18 +702,9 @@ def format_generation_result(result: Mapping[str, Any], extra: Sequence[tuple[st
 # frames: a prefill of ~1190 tokens in a few seconds). The vision tower is kept small, as in the
 # LLaVA preset. "tiny" and "tiny-onevision" are for tests (seconds to build and run).
 VIDEO_PRESETS: dict[str, dict[str, Any]] = {
-    "llava-next-video-7b": dict(
-        family="llava_next_video", width=512, layers=32, heads=8, kv_heads=8, mlp_ratio=11008 / 4096,
-        vision_width=64, vision_layers=2, image_size=336, patch_size=14, prompt_tokens=35,
-    ),
-    "tiny": dict(
-        family="llava_next_video", width=64, layers=4, heads=4, kv_heads=2, vision_width=32, vision_layers=2,
-        image_size=32, patch_size=8, prompt_tokens=12,
-    ),
-    "tiny-onevision": dict(
-        family="llava_onevision", width=64, layers=4, heads=4, kv_heads=2, vision_width=32, vision_layers=2,
-        image_size=32, patch_size=8, prompt_tokens=12,
-    ),
+    "llava-next-video-7b": dict(family="llava_next_video", **CPU_7B_SHAPES, prompt_tokens=35),
+    "tiny": dict(family="llava_next_video", **TINY_SHAPES),
+    "tiny-onevision": dict(family="llava_onevision", **TINY_SHAPES),
 }
 # Prompt words for a checkpoint (`--model`): about the prompt length of the preset.
 VIDEO_PROMPT_WORDS = 35
