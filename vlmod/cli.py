@@ -356,10 +356,38 @@ def add_rank_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
     return p
 
 
+def add_finetune_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
+    """`vlmod finetune`: fine-tune a (converted) LLaVA model; also `accelerate launch scripts/finetune.py`."""
+    from vlmod.train import add_finetune_arguments
+
+    p = subparsers.add_parser(
+        "finetune",
+        help="fine-tune a (MoD-converted) LLaVA model on LLaVA-format data",
+        description="Fine-tune with Accelerate: routers only, routers + language model, LoRA, or full. "
+        "Settings from --config YAML (configs/finetune/), flags override them.",
+    )
+    return add_finetune_arguments(p)
+
+
+def add_tiny_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
+    """`vlmod tiny`: a random tiny LLaVA saved like a hub checkpoint (training from scratch, tests)."""
+    from vlmod.tiny import add_tiny_arguments
+
+    p = subparsers.add_parser(
+        "tiny",
+        help="write a randomly initialised tiny LLaVA model + processor (no download)",
+        description="Write a tiny LLaVA-family model with an offline word-level tokenizer and processor: "
+        "the starting point of the synthetic recipe.",
+    )
+    return add_tiny_arguments(p)
+
+
 # ----------------------------------------------------------------------------- main
 
 # Top-level subcommands.
-COMMANDS: list[Callable[[SubParsers], argparse.ArgumentParser]] = [add_convert_parser, add_rank_parser, add_bench_parser]
+COMMANDS: list[Callable[[SubParsers], argparse.ArgumentParser]] = [
+    add_convert_parser, add_rank_parser, add_bench_parser, add_finetune_parser, add_tiny_parser,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

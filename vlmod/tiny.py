@@ -179,3 +179,54 @@ def save(family: str, directory: str | Path, **kwargs: Any) -> Path:
     model.save_pretrained(directory)
     processor.save_pretrained(directory)
     return directory
+
+
+def add_tiny_arguments(parser: Any) -> Any:
+    """The flags of `vlmod tiny`: a randomly initialised tiny model saved like a hub checkpoint,
+    the starting point of training from scratch (the synthetic recipe) and of offline tests."""
+    from vlmod.argtypes import positive_int
+
+    parser.add_argument("--out", required=True, help="directory to write the model and processor to")
+    parser.add_argument("--family", default="llava", choices=FAMILIES)
+    parser.add_argument("--width", type=positive_int, default=64, help="language model hidden size")
+    parser.add_argument("--layers", type=positive_int, default=4, help="language model layers")
+    parser.add_argument("--heads", type=positive_int, default=4)
+    parser.add_argument("--kv-heads", type=positive_int, default=2)
+    parser.add_argument("--mlp-ratio", type=float, default=2.0)
+    parser.add_argument("--vision-width", type=positive_int, default=32)
+    parser.add_argument("--vision-layers", type=positive_int, default=2)
+    parser.add_argument("--image-size", type=positive_int, default=32)
+    parser.add_argument("--patch-size", type=positive_int, default=8)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.set_defaults(run=run_tiny)
+    return parser
+
+
+def run_tiny(args: Any) -> int:
+    from vlmod.bench import InputError
+
+    if args.width % args.heads or args.heads % args.kv_heads:
+        raise InputError(
+            f"--width ({args.width}) must be a multiple of --heads ({args.heads}), and --heads of --kv-heads ({args.kv_heads})"
+        )
+    if args.image_size % args.patch_size:
+        raise InputError(f"--image-size ({args.image_size}) must be a multiple of --patch-size ({args.patch_size})")
+    if args.vision_width % 4:
+        raise InputError(f"--vision-width ({args.vision_width}) must be a multiple of 4 (the tower's heads)")
+    out = Path(args.out).expanduser()
+    if out.exists() and any(out.iterdir()):
+        raise InputError(f"{out} exists and is not empty; choose a new --out")
+    model, processor = build(
+        args.family, width=args.width, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
+        mlp_ratio=args.mlp_ratio, vision_width=args.vision_width, vision_layers=args.vision_layers,
+        image_size=args.image_size, patch_size=args.patch_size, seed=args.seed,
+    )
+    tmp = out.with_name(out.name + ".tmp")
+    model.save_pretrained(tmp)
+    processor.save_pretrained(tmp)
+    if out.exists():
+        out.rmdir()
+    tmp.replace(out)
+    params = sum(p.numel() for p in model.parameters())
+    print(f"wrote a tiny {args.family} model ({params / 1e6:.2f} M parameters) to {out}")
+    return 0

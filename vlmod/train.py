@@ -1,0 +1,706 @@
+"""Fine-tune a (converted) LLaVA model on LLaVA-format image-text data with Accelerate.
+
+One loop for one CPU, one GPU or many: `accelerate launch scripts/finetune.py --config ...` runs
+it under DDP, FSDP or DeepSpeed as the accelerate config says; plain `python scripts/finetune.py`
+runs it in one process. What trains is a mode, not a list of names:
+
+=============  ============================================================================
+trainable      parameters that get gradients
+=============  ============================================================================
+router         the MoD routers only (the cheapest way to teach a fresh conversion to route)
+language       routers + multimodal projector + language model (LLaVA stage-2 style)
+lora           routers + projector in full, LoRA adapters (peft) on the language model's
+               attention and MLP projections; merged into the weights when saved
+full           everything but the vision tower
+=============  ============================================================================
+
+`train_vision_tower: true` adds the vision tower to any mode (training from scratch needs it).
+
+Checkpoints: `accelerator.save_state` every `save_steps` optimizer steps into
+`output_dir/checkpoints/step-N` (written as `step-N.tmp`, then renamed), with `trainer_state.json`
+holding the step, epoch and batch position; `resume: latest` (or a checkpoint path) continues at
+that step with the same optimizer, scheduler, RNG and data order. The shuffle order of an epoch is
+a function of (seed, epoch), so a resumed run sees exactly the batches the original would have.
+The final model is written with `save_pretrained` (and its processor) to `output_dir/model`:
+`vlmod.load_pretrained` and `vlmod eval` load it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from vlmod.bench import InputError, write_json
+from vlmod.config import MoDConfig
+
+TRAINABLE = ("router", "language", "lora", "full")
+SCHEDULERS = ("cosine", "linear", "constant")
+PRECISIONS = ("no", "fp16", "bf16")
+TRACKERS = ("tensorboard", "wandb", "comet_ml", "aim", "mlflow", "clearml", "dvclive", "trackio", "all")
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+STATE_FILE = "trainer_state.json"
+
+
+class TrainError(InputError):
+    """A fine-tuning run was asked for something that cannot run (a missing file, a bad config
+    key, a model that is not LLaVA). The command reports it as one `error:` line."""
+
+
+@dataclass
+class TrainConfig:
+    """One fine-tuning run; the keys of `configs/finetune/*.yaml`.
+
+    model: checkpoint directory or hub id (dense or already converted by `vlmod convert`).
+    data / val_data: LLaVA-format JSON (paths relative to `image_root`, default the JSON's folder).
+    mod: MoDConfig fields to convert the language model before training (e.g. {capacity: 0.5,
+        layers: [2, 3], routable: [image]}); None trains the model as loaded.
+    aux_loss / aux_loss_weight: override the router aux loss of an already converted model.
+    max_steps: optimizer steps; None runs `epochs` epochs.
+    warmup: warm-up steps (>= 1) or a fraction of the run (< 1).
+    save_steps / eval_steps / log_steps: every N optimizer steps (0: never; a final save always).
+    report_to: accelerate trackers (tensorboard, wandb, ...), logged under `output_dir/logs`.
+    resume: None, "latest" (the newest checkpoint in `output_dir/checkpoints`) or a checkpoint dir.
+    """
+
+    model: str
+    data: str
+    output_dir: str
+    image_root: str | None = None
+    val_data: str | None = None
+    strict: bool = False
+    mod: dict[str, Any] | None = None
+    aux_loss: str | None = None
+    aux_loss_weight: float | None = None
+    trainable: str = "language"
+    train_vision_tower: bool = False
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.05
+    lora_targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    lr: float = 2e-5
+    router_lr: float | None = None
+    weight_decay: float = 0.0
+    scheduler: str = "cosine"
+    warmup: float = 0.03
+    max_steps: int | None = None
+    epochs: float = 1.0
+    batch_size: int = 8
+    gradient_accumulation_steps: int = 1
+    max_grad_norm: float = 1.0
+    mixed_precision: str = "no"
+    gradient_checkpointing: bool = False
+    num_workers: int = 0
+    cache_data: bool = False
+    num_frames: int = 8
+    seed: int = 0
+    save_steps: int = 0
+    save_total_limit: int | None = 2
+    eval_steps: int = 0
+    log_steps: int = 10
+    report_to: list[str] = field(default_factory=list)
+    resume: str | None = None
+
+    def __post_init__(self) -> None:
+        choices = {
+            "trainable": (self.trainable, TRAINABLE),
+            "scheduler": (self.scheduler, SCHEDULERS),
+            "mixed_precision": (self.mixed_precision, PRECISIONS),
+        }
+        for key, (value, valid) in choices.items():
+            if value not in valid:
+                raise TrainError(f"{key} must be one of {', '.join(valid)}; got {value!r}")
+        if isinstance(self.report_to, str):
+            self.report_to = [self.report_to]
+        for tracker in self.report_to:
+            if tracker not in TRACKERS:
+                raise TrainError(f"report_to: unknown tracker {tracker!r}; accelerate knows {', '.join(TRACKERS)}")
+        positive = {
+            "lr": self.lr, "batch_size": self.batch_size, "epochs": self.epochs,
+            "gradient_accumulation_steps": self.gradient_accumulation_steps, "lora_r": self.lora_r,
+        }
+        for key, value in positive.items():
+            if not value > 0:
+                raise TrainError(f"{key} must be > 0, got {value}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise TrainError(f"max_steps must be >= 1 (or left out to train by epochs), got {self.max_steps}")
+        for key in ("save_steps", "eval_steps", "log_steps", "num_workers", "warmup", "weight_decay"):
+            if getattr(self, key) < 0:
+                raise TrainError(f"{key} must be >= 0, got {getattr(self, key)}")
+        if self.router_lr is not None and not self.router_lr > 0:
+            raise TrainError(f"router_lr must be > 0, got {self.router_lr}")
+        if self.mod is not None:
+            if self.aux_loss is not None or self.aux_loss_weight is not None:
+                raise TrainError("set aux_loss / aux_loss_weight inside `mod:` when the run converts the model")
+            self.mod_config()
+
+    def mod_config(self) -> MoDConfig:
+        """The MoDConfig of `mod:`, with its errors as config errors."""
+        assert self.mod is not None
+        if str(self.mod.get("layers", "")).startswith("arank"):
+            raise TrainError(
+                "mod.layers: ARank layer choice needs calibration; convert first with `vlmod convert "
+                "--layers arank:N --calib-data ...` and fine-tune the converted checkpoint"
+            )
+        try:
+            return MoDConfig.from_dict(dict(self.mod))
+        except (TypeError, ValueError) as e:
+            raise TrainError(f"mod: {e}") from None
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise TrainError(f"unknown finetune setting(s) {unknown}; valid keys: {', '.join(sorted(names))}")
+        missing = [k for k in ("model", "data", "output_dir") if d.get(k) in (None, "")]
+        if missing:
+            raise TrainError(f"missing required setting(s) {missing} (in the YAML or as --{missing[0].replace('_', '-')})")
+        return cls(**d)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """A YAML mapping from `path`, with errors that name the file."""
+    import yaml
+
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise TrainError(f"config file {path} does not exist")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise TrainError(f"{path} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise TrainError(f"{path} must hold a mapping of settings, got {type(data).__name__}")
+    return data
+
+
+# ----------------------------------------------------------------------------- model
+
+
+def load_model(cfg: TrainConfig) -> tuple[nn.Module, Any]:
+    """The LLaVA model (converted as saved, then by `mod:`) and its processor, in float32."""
+    from transformers import AutoProcessor
+
+    from vlmod.hf import load_config, load_pretrained, model_class
+    from vlmod.plugins import llava
+    from vlmod.routing.api import apply_mod
+    from vlmod.routing.trace import find_parts
+
+    try:
+        cls = model_class(load_config(cfg.model))
+    except (FileNotFoundError, TypeError) as e:
+        raise TrainError(str(e)) from None
+    if not any(issubclass(cls, c) for c in llava._classes()):
+        raise TrainError(
+            f"{cfg.model} is a {cls.__name__} checkpoint; fine-tuning supports LLaVA models ({', '.join(llava.FAMILIES)})"
+        )
+    try:
+        processor = AutoProcessor.from_pretrained(cfg.model)
+    except (OSError, ValueError) as e:
+        raise TrainError(f"could not load the processor of {cfg.model}: {str(e).splitlines()[0]}") from None
+    model = load_pretrained(cfg.model, dtype=torch.float32)
+    if cfg.mod is not None:
+        try:
+            apply_mod(model, cfg.mod_config(), part="language")
+        except ValueError as e:
+            raise TrainError(f"mod: {e}") from None
+    parts = find_parts(model)
+    if cfg.aux_loss is not None or cfg.aux_loss_weight is not None:
+        if not parts:
+            raise TrainError("aux_loss is set but the model has no MoD layers; add `mod:` or convert it first")
+        for part in parts:
+            changes = {"aux_loss": cfg.aux_loss or part.config.aux_loss}
+            if cfg.aux_loss_weight is not None:
+                changes["aux_loss_weight"] = cfg.aux_loss_weight
+            part.config = dataclasses.replace(part.config, **changes)
+    if cfg.trainable == "router" and not parts:
+        raise TrainError("trainable: router, but the model has no MoD routers; add `mod:` or convert it first")
+    return model, processor
+
+
+def _is_router(name: str) -> bool:
+    return "mod_router" in name.split(".")
+
+
+def set_trainable(model: nn.Module, trainable: str, train_vision_tower: bool = False) -> dict[str, int]:
+    """Freeze everything, then unfreeze what `trainable` names (see the module doc); returns the
+    number of trainable parameters per group. LoRA adapters are added by `add_lora` first."""
+    groups = {"router": 0, "projector": 0, "language": 0, "vision": 0, "lora": 0, "other": 0}
+    for name, p in model.named_parameters():
+        if _is_router(name):
+            group = "router"
+        elif "lora_" in name:
+            group = "lora"
+        elif "multi_modal_projector" in name:
+            group = "projector"
+        elif "vision_tower" in name:
+            group = "vision"
+        elif "language_model" in name or "lm_head" in name:
+            group = "language"
+        else:
+            group = "other"  # e.g. the anyres image_newline parameter
+        on = {
+            "router": group == "router",
+            "language": group in ("router", "projector", "language", "other"),
+            "lora": group in ("router", "projector", "lora", "other"),
+            "full": group != "vision",
+        }[trainable] or (train_vision_tower and group == "vision")
+        p.requires_grad_(on)
+        if on:
+            groups[group] += p.numel()
+    return {k: v for k, v in groups.items() if v}
+
+
+def add_lora(model: nn.Module, cfg: TrainConfig) -> nn.Module:
+    """Wrap the language model's projections in peft LoRA adapters (vision tower untouched)."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise TrainError("trainable: lora needs peft: pip install peft") from None
+    pattern = rf".*language_model.*\.({'|'.join(cfg.lora_targets)})"
+    lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, target_modules=pattern)
+    try:
+        return get_peft_model(model, lora)
+    except ValueError as e:
+        raise TrainError(f"LoRA: {e}") from None
+
+
+# ----------------------------------------------------------------------------- data
+
+
+class EpochSampler(torch.utils.data.Sampler[int]):
+    """A shuffle whose order is a function of (seed, epoch): a resumed run, and every process of
+    a distributed run, sees the same permutation without sharing generator state."""
+
+    def __init__(self, size: int, seed: int, shuffle: bool = True) -> None:
+        self.size, self.seed, self.shuffle, self.epoch = size, seed, shuffle, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        if not self.shuffle:
+            return iter(range(self.size))
+        g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+        return iter(torch.randperm(self.size, generator=g).tolist())
+
+    def __len__(self) -> int:
+        return self.size
+
+
+def load_dataset(path: str, processor: Any, cfg: TrainConfig) -> Any:
+    from vlmod.data import DataError, LlavaDataset
+
+    try:
+        return LlavaDataset(
+            path, processor, cfg.image_root, strict=cfg.strict, num_frames=cfg.num_frames, cache=cfg.cache_data
+        )
+    except DataError as e:
+        raise TrainError(str(e)) from None
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+def routed_fraction(trace: Any, parts: Sequence[Any]) -> float | None:
+    """Fraction of routable tokens that ran their MoD layers in a traced forward (None: none)."""
+    done = total = 0.0
+    for part in parts:
+        routable = torch.tensor([int(t) for t in part.config.routable_types])
+        types = trace.part_token_types(part.name)
+        mask = torch.isin(types, routable.to(types.device))
+        n = float(mask.sum())
+        for (name, _), processed in trace.processed.items():
+            if name == part.name and n:
+                done += float((processed & mask).sum())
+                total += n
+    return done / total if total else None
+
+
+@torch.no_grad()
+def validation_loss(model: nn.Module, loader: Any, accelerator: Any) -> float:
+    """Mean answer-token loss over `loader` (all processes)."""
+    model.eval()
+    loss_sum = torch.zeros((), device=accelerator.device)
+    tokens = torch.zeros((), device=accelerator.device)
+    for batch in loader:
+        out = model(**batch)
+        n = (batch["labels"][:, 1:] != -100).sum()
+        loss_sum += out.loss.detach().float() * n
+        tokens += n
+    model.train()
+    loss_sum, tokens = accelerator.reduce(loss_sum), accelerator.reduce(tokens)
+    return float(loss_sum / tokens.clamp_min(1))
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def checkpoint_dir(output_dir: str | Path) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    """The checkpoint with the highest step under `output_dir/checkpoints` (complete ones only)."""
+    root = checkpoint_dir(output_dir)
+    found = [p for p in root.glob("step-*") if p.suffix != ".tmp" and (p / STATE_FILE).is_file()] if root.is_dir() else []
+    return max(found, key=lambda p: int(p.name.split("-")[1]), default=None)
+
+
+def resolve_resume(cfg: TrainConfig) -> Path | None:
+    if cfg.resume is None:
+        return None
+    if cfg.resume == "latest":
+        found = latest_checkpoint(cfg.output_dir)
+        if found is None:
+            raise TrainError(f"resume: latest, but {checkpoint_dir(cfg.output_dir)} holds no complete checkpoint")
+        return found
+    path = Path(cfg.resume).expanduser()
+    if not (path / STATE_FILE).is_file():
+        raise TrainError(f"resume: {cfg.resume} is not a checkpoint of this trainer (no {STATE_FILE})")
+    return path
+
+
+def save_checkpoint(accelerator: Any, cfg: TrainConfig, state: dict[str, Any]) -> Path:
+    """`save_state` to step-N.tmp, then rename: a crash mid-save never leaves a checkpoint that
+    `resume: latest` would pick up half-written."""
+    root = checkpoint_dir(cfg.output_dir)
+    final = root / f"step-{state['step']}"
+    tmp = root / f"step-{state['step']}.tmp"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        write_json(tmp / STATE_FILE, state)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        if cfg.save_total_limit:
+            done = sorted(
+                (p for p in root.glob("step-*") if p.suffix != ".tmp"), key=lambda p: int(p.name.split("-")[1])
+            )
+            for old in done[: -cfg.save_total_limit]:
+                shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def save_model(accelerator: Any, model: nn.Module, processor: Any, out: Path) -> Path:
+    """The trained model as `save_pretrained` writes it (the full state dict gathered under FSDP /
+    ZeRO-3; LoRA merged into the weights), plus the processor, to `out` via a temporary dir."""
+    state_dict = accelerator.get_state_dict(model)
+    tmp = out.with_name(out.name + ".tmp")
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        model = accelerator.unwrap_model(model)
+        if hasattr(model, "peft_config"):
+            model, state_dict = model.merge_and_unload(), None
+        model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        processor.save_pretrained(tmp)
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
+    accelerator.wait_for_everyone()
+    return out
+
+
+# ----------------------------------------------------------------------------- training
+
+
+@dataclass
+class TrainResult:
+    """What a run did: optimizer steps, the last logged losses, where the model went."""
+
+    step: int
+    loss: float | None
+    val_loss: float | None
+    routed_fraction: float | None
+    model_dir: Path
+    seconds: float
+    history: list[dict[str, float]] = field(default_factory=list)
+    main_process: bool = True
+
+
+def _make_accelerator(cfg: TrainConfig) -> Any:
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    project = ProjectConfiguration(project_dir=cfg.output_dir, logging_dir=str(Path(cfg.output_dir) / "logs"))
+    return Accelerator(
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        mixed_precision=cfg.mixed_precision,
+        log_with=cfg.report_to or None,
+        project_config=project,
+    )
+
+
+def _optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    router, decay, no_decay = [], [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if _is_router(name):
+            router.append(p)
+        elif p.ndim >= 2:
+            decay.append(p)
+        else:
+            no_decay.append(p)
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+        {"params": router, "weight_decay": 0.0, "lr": cfg.router_lr or cfg.lr},
+    ]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr)
+
+
+def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
+    """Run `cfg` (see the module doc) and return what it did."""
+    from accelerate.utils import set_seed
+    from tqdm.auto import tqdm
+    from transformers import get_scheduler
+
+    from vlmod.routing.trace import find_parts, trace_routing
+
+    start = time.perf_counter()
+    for path in (cfg.data, cfg.val_data):
+        if path is not None and not Path(path).expanduser().is_file():
+            raise TrainError(f"data file {path} does not exist")
+    resume_from = resolve_resume(cfg)
+    accelerator = _make_accelerator(cfg)
+    set_seed(cfg.seed)
+    model, processor = load_model(cfg)
+    train_set = load_dataset(cfg.data, processor, cfg)
+    val_set = load_dataset(cfg.val_data, processor, cfg) if cfg.val_data else None
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    if cfg.trainable == "lora":
+        model = add_lora(model, cfg)
+    groups = set_trainable(model, cfg.trainable, cfg.train_vision_tower)
+    if not groups:
+        raise TrainError(f"trainable: {cfg.trainable} leaves no parameter to train in this model")
+    parts = find_parts(model)
+
+    sampler = EpochSampler(len(train_set), cfg.seed)
+    loader = torch.utils.data.DataLoader(
+        train_set, batch_size=cfg.batch_size, sampler=sampler, collate_fn=train_set.collate,
+        num_workers=cfg.num_workers, drop_last=len(train_set) >= cfg.batch_size,
+    )
+    val_loader = None
+    if val_set is not None:
+        val_loader = torch.utils.data.DataLoader(
+            val_set, batch_size=cfg.batch_size, collate_fn=val_set.collate, num_workers=cfg.num_workers
+        )
+    optimizer = _optimizer(model, cfg)
+    batches_per_epoch = math.ceil(len(loader) / accelerator.num_processes)
+    steps_per_epoch = max(1, batches_per_epoch // cfg.gradient_accumulation_steps)
+    total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * steps_per_epoch))
+    warmup = int(cfg.warmup) if cfg.warmup >= 1 else int(cfg.warmup * total_steps)
+    # A prepared scheduler steps once per process per optimizer step (accelerate's convention).
+    scheduler = get_scheduler(
+        {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[cfg.scheduler],
+        optimizer,
+        num_warmup_steps=warmup * accelerator.num_processes,
+        num_training_steps=total_steps * accelerator.num_processes,
+    )
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    if val_loader is not None:
+        val_loader = accelerator.prepare(val_loader)
+
+    step, epoch, batch_in_epoch = 0, 0, 0
+    if resume_from is not None:
+        accelerator.load_state(str(resume_from))
+        state = json.loads((resume_from / STATE_FILE).read_text())
+        step, epoch, batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
+        accelerator.print(f"resumed from {resume_from}: step {step}, epoch {epoch}, batch {batch_in_epoch}")
+    if cfg.report_to:
+        accelerator.init_trackers("vlmod-finetune", config={k: str(v) for k, v in cfg.to_dict().items()})
+    accelerator.print(
+        f"training {', '.join(f'{k} {v:,}' for k, v in groups.items())} parameters; "
+        f"{len(train_set)} samples, {total_steps} steps of {cfg.batch_size * cfg.gradient_accumulation_steps * accelerator.num_processes}"
+    )
+
+    bar = tqdm(total=total_steps, initial=step, desc="finetune", unit="step", disable=not (progress and accelerator.is_local_main_process))
+    history: list[dict[str, float]] = []
+    loss_sum = torch.zeros((), device=accelerator.device)
+    micro = 0
+    routed: list[float] = []
+    last: dict[str, float] = {}
+    val_loss = None
+    model.train()
+    while step < total_steps:
+        sampler.set_epoch(epoch)
+        epoch_loader = accelerator.skip_first_batches(loader, batch_in_epoch) if batch_in_epoch else loader
+        for batch in epoch_loader:
+            with accelerator.accumulate(model):
+                if parts:
+                    with trace_routing(model) as trace:
+                        out = model(**batch)
+                    fraction = routed_fraction(trace, parts)
+                    if fraction is not None:
+                        routed.append(fraction)
+                else:
+                    out = model(**batch)
+                loss = out.loss
+                if not torch.isfinite(loss):
+                    raise RuntimeError(f"loss is {loss.item()} at step {step}: lower lr or use mixed_precision: no")
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and cfg.max_grad_norm:
+                    accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            batch_in_epoch += 1
+            loss_sum += loss.detach().float()
+            micro += 1
+            if not accelerator.sync_gradients:
+                continue
+            step += 1
+            bar.update(1)
+            if step % max(cfg.log_steps, 1) == 0 or step == total_steps:
+                mean_loss = float(accelerator.reduce(loss_sum, reduction="mean")) / micro
+                last = {"step": step, "loss": mean_loss, "lr": scheduler.get_last_lr()[0]}
+                if routed:
+                    last["skip_rate"] = 1.0 - sum(routed) / len(routed)
+                history.append(last)
+                bar.set_postfix({k: f"{v:.3g}" for k, v in last.items() if k != "step"})
+                if cfg.report_to:
+                    accelerator.log({f"train/{k}": v for k, v in last.items() if k != "step"}, step=step)
+                loss_sum.zero_()
+                micro, routed = 0, []
+            if val_loader is not None and cfg.eval_steps and (step % cfg.eval_steps == 0 or step == total_steps):
+                val_loss = validation_loss(model, val_loader, accelerator)
+                last["val_loss"] = val_loss
+                bar.write(f"step {step}: validation loss {val_loss:.4f}")
+                if cfg.report_to:
+                    accelerator.log({"val/loss": val_loss}, step=step)
+            if cfg.save_steps and step % cfg.save_steps == 0 and step < total_steps:
+                save_checkpoint(accelerator, cfg, {"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch})
+            if step >= total_steps:
+                break
+        else:
+            epoch += 1
+            batch_in_epoch = 0
+    bar.close()
+    out_dir = save_model(accelerator, model, processor, Path(cfg.output_dir) / "model")
+    if accelerator.is_main_process:
+        write_json(Path(cfg.output_dir) / "train_log.json", {"config": cfg.to_dict(), "history": history})
+    if cfg.report_to:
+        accelerator.end_training()
+    return TrainResult(
+        step=step,
+        loss=last.get("loss"),
+        val_loss=val_loss,
+        routed_fraction=None if "skip_rate" not in last else 1.0 - last["skip_rate"],
+        model_dir=out_dir,
+        seconds=time.perf_counter() - start,
+        history=history,
+        main_process=accelerator.is_main_process,
+    )
+
+
+# ----------------------------------------------------------------------------- command line
+
+_OVERRIDES: tuple[tuple[str, Any, str], ...] = (
+    ("model", str, "checkpoint directory or hub id"),
+    ("data", str, "LLaVA-format training JSON"),
+    ("val_data", str, "LLaVA-format validation JSON (validation loss every --eval-steps)"),
+    ("image_root", str, "folder image/video paths are relative to (default: the JSON's folder)"),
+    ("output_dir", str, "where checkpoints/, model/ and train_log.json go"),
+    ("trainable", str, f"what trains: {', '.join(TRAINABLE)}"),
+    ("lr", float, "learning rate"),
+    ("router_lr", float, "learning rate of the routers (default: --lr)"),
+    ("max_steps", int, "optimizer steps (default: --epochs)"),
+    ("epochs", float, "epochs when --max-steps is not set"),
+    ("batch_size", int, "samples per process per micro-batch"),
+    ("gradient_accumulation_steps", int, "micro-batches per optimizer step"),
+    ("mixed_precision", str, f"{', '.join(PRECISIONS)}"),
+    ("save_steps", int, "accelerator.save_state every N steps (0: never)"),
+    ("eval_steps", int, "validation loss every N steps (0: never)"),
+    ("log_steps", int, "log loss / lr / skip rate every N steps"),
+    ("seed", int, "seed of the init, the shuffle and dropout"),
+    ("resume", str, "'latest' or a checkpoint directory: continue that run"),
+)
+
+
+def add_finetune_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The flags of `scripts/finetune.py` and `vlmod finetune`: a YAML config plus overrides."""
+    parser.add_argument("--config", help="YAML of TrainConfig settings (configs/finetune/*.yaml)")
+    for name, kind, help_text in _OVERRIDES:
+        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, default=None, help=help_text)
+    parser.add_argument("--report-to", dest="report_to", action="append", default=None,
+                        help=f"accelerate tracker ({', '.join(TRACKERS)}); repeat for several")
+    parser.add_argument("--gradient-checkpointing", dest="gradient_checkpointing", action="store_true", default=None)
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.set_defaults(run=run_finetune)
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """The YAML of `--config` with the command-line overrides on top."""
+    settings = read_yaml(args.config) if args.config else {}
+    for name in [o[0] for o in _OVERRIDES] + ["report_to", "gradient_checkpointing"]:
+        value = getattr(args, name, None)
+        if value is not None:
+            settings[name] = value
+    return TrainConfig.from_dict(settings)
+
+
+def run_finetune(args: argparse.Namespace) -> int:
+    """Build the config, train, say where the model went; bad input is one `error:` line."""
+    try:
+        cfg = config_from_args(args)
+        result = train(cfg, progress=not args.no_progress)
+    except TrainError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not result.main_process:
+        return 0
+    summary = f"{result.step} steps in {result.seconds:.0f} s"
+    if result.loss is not None:
+        summary += f", loss {result.loss:.4f}"
+    if result.val_loss is not None:
+        summary += f", validation loss {result.val_loss:.4f}"
+    if result.routed_fraction is not None:
+        summary += f", routed fraction {result.routed_fraction:.3f}"
+    print(f"{summary}; model saved to {result.model_dir}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="finetune.py", description="Fine-tune a (MoD-converted) LLaVA model with Accelerate.")
+    add_finetune_arguments(parser)
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+__all__ = [
+    "TRAINABLE",
+    "EpochSampler",
+    "TrainConfig",
+    "TrainError",
+    "TrainResult",
+    "add_finetune_arguments",
+    "config_from_args",
+    "latest_checkpoint",
+    "run_finetune",
+    "set_trainable",
+    "train",
+]
