@@ -2,7 +2,15 @@
 
 from vlmod.config import MoDConfig, TokenType
 from vlmod.hf import load_pretrained
-from vlmod.routing import apply_mod, mod_layers, remove_mod, router_aux_loss, trace_routing
+from vlmod.routing import (
+    apply_mod,
+    mod_layers,
+    remove_mod,
+    router_aux_loss,
+    set_router,
+    trace_routing,
+    use_router,
+)
 
 __version__ = "0.1.0"
 
@@ -14,5 +22,7 @@ __all__ = [
     "mod_layers",
     "remove_mod",
     "router_aux_loss",
+    "set_router",
     "trace_routing",
+    "use_router",
 ]

@@ -32,7 +32,7 @@ class TokenType(IntEnum):
             raise ValueError(f"unknown token type {name!r}; valid types: {valid}") from None
 
 
-ROUTERS = ("learned", "random", "stride", "inverted")
+ROUTERS = ("learned", "random", "stride", "inverted", "attention")
 GATES = ("tanh", "sigmoid", "none")
 CAPACITY_SCHEDULES = (None, "cosine")
 AUX_LOSSES = (None, "bce")
@@ -49,7 +49,11 @@ class MoDConfig:
     routable: token types that compete for the k slots; every other real token always runs.
     router: "learned" (a zero-initialised linear router); for audits and training-free use,
         "random" (same k, uniform), "stride" (an evenly spaced positional pattern of the same
-        density) and "inverted" (the k lowest learned scores).
+        density), "inverted" (the k lowest learned scores) and "attention" (training-free: the
+        routable tokens that receive the most attention from the instruction / prefix tokens at
+        the layer about to run, see `vlmod.routing.attention`). The gate always uses the learned
+        router, which is g = 1 until trained, so "attention" needs no fine-tuning. Change the kind
+        of a converted model with `vlmod.set_router` / `vlmod.use_router`.
     share_router: one router for all MoD layers of the part, instead of one per layer.
     gate: "tanh": g(r) = 1 + gate_alpha * tanh(r); "sigmoid": g(r) = 2 * sigmoid(r);
         "none": g = 1 (the router then learns only through the aux loss). The first two are 1

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from torch import nn
+from torch import Tensor, nn
 
 from vlmod.config import MoDConfig
 from vlmod.plugins import PartSpec
-from vlmod.plugins.vit import ViTAdapter
+from vlmod.plugins.vit import ViTAdapter, gather_rows, split_heads
 
 FAMILIES = ("Hugging Face CLIPVisionModel", "Hugging Face SiglipVisionModel")
 
@@ -42,5 +42,23 @@ def part_spec(model: nn.Module, part: str | None, config: MoDConfig) -> PartSpec
         entry=model,
         blocks=blocks,
         dim=transformer.config.hidden_size,
-        adapter=ViTAdapter(type(blocks[0]), num_prefix, config, mask_arg="attention_mask"),
+        adapter=ViTAdapter(
+            type(blocks[0]), num_prefix, config, mask_arg="attention_mask", qk=_qk, qk_check=_qk_check
+        ),
     )
+
+
+def _qk_check(block: nn.Module) -> str | None:
+    attn = getattr(block, "self_attn", None)
+    if not hasattr(block, "layer_norm1") or not all(hasattr(attn, a) for a in ("q_proj", "k_proj", "num_heads", "scale")):
+        return "expected layer_norm1 -> self_attn with q_proj / k_proj (a CLIP / SigLIP encoder layer)"
+    return None
+
+
+def _qk(block: nn.Module, x: Tensor, query_index: Tensor) -> tuple[Tensor, Tensor, float]:
+    """The encoder layer runs self_attn(layer_norm1(x)) with separate q/k projections."""
+    attn = block.self_attn
+    h = block.layer_norm1(x)
+    q = attn.q_proj(gather_rows(h, query_index))
+    k = attn.k_proj(h)
+    return split_heads(q, attn.num_heads), split_heads(k, attn.num_heads), attn.scale

@@ -12,6 +12,7 @@ only the tokens it processed.
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,7 @@ from torch import Tensor, nn
 from vlmod.config import MoDConfig, TokenType
 from vlmod.plugins import PartSpec, hf_vision
 from vlmod.plugins.calls import ArgSlot
+from vlmod.routing.attention import AttentionQK
 from vlmod.routing.layer import MoDPart
 from vlmod.routing.selection import Selection, TokenLayout
 
@@ -289,3 +291,37 @@ class DecoderAdapter:
 
     def output(self, out: Tensor, args: tuple, kwargs: dict) -> Any:
         return out
+
+    # -- the attention router: instruction tokens are the queries ------------------------------
+
+    def check_attention_router(self, blocks: list[nn.Module]) -> None:
+        for block in blocks:
+            attn = getattr(block, "self_attn", None)
+            needed = ("q_proj", "k_proj", "head_dim", "scaling")
+            if not hasattr(block, "input_layernorm") or not all(hasattr(attn, a) for a in needed):
+                raise ValueError(
+                    f"the attention router cannot score a {type(block).__name__}: expected "
+                    "input_layernorm -> self_attn with q_proj / k_proj"
+                )
+            if not callable(getattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb", None)):
+                raise ValueError(f"the attention router found no apply_rotary_pos_emb next to {type(attn).__name__}")
+
+    def attention_qk(
+        self, block: nn.Module, x: Tensor, query_index: Tensor, args: tuple, kwargs: dict
+    ) -> AttentionQK:
+        """The decoder layer runs self_attn(input_layernorm(x)) with RoPE from the position
+        embeddings it was given; the upstream module's own apply_rotary_pos_emb rotates q and k."""
+        attn = block.self_attn
+        rotate = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+        batch, length = x.shape[:2]
+        rows = torch.arange(batch, device=x.device).unsqueeze(1)
+        h = block.input_layernorm(x)
+        q = attn.q_proj(h[rows, query_index]).view(batch, query_index.shape[1], -1, attn.head_dim).transpose(1, 2)
+        k = attn.k_proj(h).view(batch, length, -1, attn.head_dim).transpose(1, 2)
+        rope = self.rope_arg.get(args, kwargs)
+        if rope is None:
+            raise ValueError("the attention router needs the position embeddings (cos, sin) the layer receives")
+        cos, sin = (t.expand(batch, *t.shape[1:]) for t in rope)
+        q = rotate(q, q, cos[rows, query_index], sin[rows, query_index])[0]
+        k = rotate(k, k, cos, sin)[0]
+        return AttentionQK(q=q, k=k, scale=attn.scaling, causal=True)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from torch import nn
+import torch.nn.functional as F
+from torch import Tensor, nn
 
 from vlmod.config import MoDConfig
 from vlmod.plugins import PartSpec
-from vlmod.plugins.vit import ViTAdapter
+from vlmod.plugins.vit import ViTAdapter, gather_rows, split_heads
 
 FAMILIES = ("open_clip CLIP / VisionTransformer",)
 
@@ -52,5 +53,28 @@ def part_spec(model: nn.Module, part: str | None, config: MoDConfig) -> PartSpec
             config=config,
             batch_first=getattr(transformer, "batch_first", True),
             mask_arg="attn_mask",
+            qk=_qk,
+            qk_check=_qk_check,
         ),
     )
+
+
+def _qk_check(block: nn.Module) -> str | None:
+    attn = getattr(block, "attn", None)
+    if not hasattr(block, "ln_1") or not isinstance(attn, nn.MultiheadAttention):
+        return "only ResidualAttentionBlock (ln_1 -> nn.MultiheadAttention) is supported"
+    if not attn._qkv_same_embed_dim or attn.in_proj_weight is None:
+        return "its MultiheadAttention has separate q/k/v weights"
+    return None
+
+
+def _qk(block: nn.Module, x: Tensor, query_index: Tensor) -> tuple[Tensor, Tensor, float]:
+    """ResidualAttentionBlock runs attn(ln_1(x)); nn.MultiheadAttention packs q, k, v in
+    in_proj_weight and scales by head_dim ** -0.5."""
+    attn = block.attn
+    h = block.ln_1(x)
+    width, heads = attn.embed_dim, attn.num_heads
+    w, b = attn.in_proj_weight, attn.in_proj_bias
+    q = F.linear(gather_rows(h, query_index), w[:width], None if b is None else b[:width])
+    k = F.linear(h, w[width : 2 * width], None if b is None else b[width : 2 * width])
+    return split_heads(q, heads), split_heads(k, heads), (width // heads) ** -0.5

@@ -11,12 +11,40 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import Tensor
+import torch.nn.functional as F
+from torch import Tensor, nn
 
 from vlmod.config import MoDConfig, TokenType
 from vlmod.plugins.calls import ArgSlot
+from vlmod.routing.attention import AttentionQK
 from vlmod.routing.layer import MoDPart
 from vlmod.routing.selection import Selection, TokenLayout
+
+# Per framework, for the attention router: (block, x [B, L, D], query_index [B, T]) ->
+# (q [B, H, T, d], k [B, H, L, d], scale) of the block's self-attention on its normed input.
+QKFn = Callable[[nn.Module, Tensor, Tensor], tuple[Tensor, Tensor, float]]
+# Why a block cannot be scored by attention (None: it can).
+QKCheck = Callable[[nn.Module], "str | None"]
+
+
+def gather_rows(x: Tensor, index: Tensor) -> Tensor:
+    """x [B, L, ...] at index [B, T] -> [B, T, ...]."""
+    return x[torch.arange(x.shape[0], device=x.device).unsqueeze(1), index]
+
+
+def linear_slice(linear: nn.Module, x: Tensor, start: int, stop: int) -> Tensor:
+    """Output features [start, stop) of a fused projection (qkv): a plain Linear computes only
+    those rows of its weight; anything else (a LoRA wrapper) runs whole and is sliced."""
+    if type(linear) is nn.Linear:
+        bias = None if linear.bias is None else linear.bias[start:stop]
+        return F.linear(x, linear.weight[start:stop], bias)
+    return linear(x)[..., start:stop]
+
+
+def split_heads(x: Tensor, heads: int) -> Tensor:
+    """[B, L, H * d] -> [B, H, L, d]."""
+    batch, length, width = x.shape
+    return x.view(batch, length, heads, width // heads).transpose(1, 2)
 
 
 def gather_attention_mask(mask: Tensor, sel: Selection) -> Tensor:
@@ -51,8 +79,12 @@ class ViTAdapter:
         config: MoDConfig,
         batch_first: bool = True,
         mask_arg: str | None = None,
+        qk: QKFn | None = None,
+        qk_check: QKCheck | None = None,
     ):
         self.num_prefix = num_prefix
+        self.qk = qk
+        self.qk_check = qk_check
         self.image_routable = TokenType.IMAGE in config.routable_types
         self.batch_first = batch_first
         self.mask = ArgSlot(block_cls.forward, mask_arg) if mask_arg else None
@@ -93,3 +125,26 @@ class ViTAdapter:
 
     def output(self, out: Tensor, args: tuple, kwargs: dict) -> Any:
         return out if self.batch_first else out.transpose(0, 1)
+
+    # -- the attention router: prefix (CLS / register) tokens are the queries -----------------
+
+    def check_attention_router(self, blocks: list[nn.Module]) -> None:
+        if self.num_prefix == 0:
+            raise ValueError(
+                "the attention router ranks patches by the attention they receive from prefix (CLS) "
+                "tokens, and this ViT has none (SigLIP); use learned, random or stride routing"
+            )
+        if self.qk is None:
+            raise ValueError("the attention router is not supported for this ViT family")
+        for block in blocks:
+            reason = self.qk_check(block) if self.qk_check is not None else None
+            if reason:
+                raise ValueError(f"the attention router cannot score a {type(block).__name__}: {reason}")
+
+    def attention_qk(
+        self, block: nn.Module, x: Tensor, query_index: Tensor, args: tuple, kwargs: dict
+    ) -> AttentionQK:
+        if self.mask is not None and self.mask.get(args, kwargs) is not None:
+            raise ValueError("the attention router does not support ViT blocks called with an attention mask")
+        q, k, scale = self.qk(block, x, query_index)
+        return AttentionQK(q=q, k=k, scale=scale, causal=False)

@@ -1,11 +1,16 @@
-"""apply_mod / remove_mod / mod_layers / router_aux_loss."""
+"""apply_mod / remove_mod / mod_layers / router_aux_loss / set_router / use_router."""
 
 from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
 
-from vlmod.config import MoDConfig
+from vlmod.config import ROUTERS, MoDConfig
+from vlmod.routing.attention import check_attention_router
 from vlmod.routing.layer import (
     LAYER_ATTR,
     PART_ATTR,
@@ -53,6 +58,8 @@ def apply_mod(model: nn.Module, config: MoDConfig, part: str | None = None) -> n
         )
     if not layers:
         raise ValueError(f"layers={config.layers!r} leaves no layer to convert in this {spec.name} part")
+    if config.router == "attention":
+        check_attention_router(spec.adapter, [spec.blocks[i] for i in layers], spec.family)
     capacities = layer_capacities(config.capacity, layers, num_layers, config.capacity_schedule)
     part_obj = MoDPart(
         name=spec.name,
@@ -121,3 +128,50 @@ def router_aux_loss(model: nn.Module) -> Tensor | None:
     """The router aux loss of the last forward (mean over MoD layers), or None if not configured."""
     losses = [loss for p in find_parts(model) if p.config.aux_loss for loss in p.aux_losses.values()]
     return torch.stack(losses).mean() if losses else None
+
+
+def _parts_named(model: nn.Module, part: str | None) -> list[MoDPart]:
+    parts = find_parts(model)
+    if not parts:
+        raise ValueError("this model has no MoD layers; convert it with vlmod.apply_mod first")
+    if part is None:
+        return parts
+    chosen = [p for p in parts if p.name == part]
+    if not chosen:
+        raise ValueError(f"no converted {part!r} part; converted parts: {sorted(p.name for p in parts)}")
+    return chosen
+
+
+def set_router(model: nn.Module, kind: str, part: str | None = None) -> nn.Module:
+    """Rank tokens with router `kind` from the next forward on, in every converted part (or in
+    `part`); in place, returns `model`.
+
+    Only the selection changes: weights, the learned router and its gate stay as they are, which
+    is what counterfactual audits (learned vs random / stride / inverted / attention on the same
+    weights) and training-free use need. The kind is saved with the model's MoD settings.
+    """
+    if kind not in ROUTERS:
+        raise ValueError(f"router must be one of {ROUTERS}, got {kind!r}")
+    parts = _parts_named(model, part)
+    if kind == "attention":
+        for p in parts:
+            check_attention_router(p.adapter, [p.blocks[i] for i in sorted(p.capacities)], p.family)
+    for p in parts:
+        # A new config object: the caller's MoDConfig (maybe shared with other models) is untouched.
+        p.config = dataclasses.replace(p.config, router=kind)
+    _store_settings(model)
+    return model
+
+
+@contextmanager
+def use_router(model: nn.Module, kind: str, part: str | None = None) -> Iterator[nn.Module]:
+    """`set_router` for the duration of a `with` block; the previous kinds come back after it."""
+    previous = {id(p): p.config.router for p in _parts_named(model, part)}
+    set_router(model, kind, part)
+    try:
+        yield model
+    finally:
+        for p in _parts_named(model, part):
+            if id(p) in previous:
+                p.config = dataclasses.replace(p.config, router=previous[id(p)])
+        _store_settings(model)

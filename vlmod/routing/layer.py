@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from vlmod.config import MoDConfig
+from vlmod.routing.attention import attention_keys
 from vlmod.routing.router import Router, gate, selection_keys
 from vlmod.routing.selection import Selection, TokenLayout, select_tokens
 
@@ -112,8 +113,7 @@ class LayerRouting:
         x = adapter.hidden_states(args, kwargs)
         layout = adapter.layout(part, x, args, kwargs)
         scores = part.router_for(self.layer_idx)(x)
-        generator = part.random_generator(self.layer_idx, x.device) if cfg.router == "random" else None
-        keys = selection_keys(cfg.router, scores, layout, self.capacity, generator)
+        keys = self.keys(x, scores, layout, args, kwargs)
         sel = select_tokens(keys, layout, self.capacity)
         if sel.index is not None and sel.index.shape[1] == 0:
             part.record(self.layer_idx, sel, scores, layout)
@@ -128,6 +128,20 @@ class LayerRouting:
         out = sel.scatter(x, new)
         part.record(self.layer_idx, sel, scores, layout)
         return adapter.output(out, args, kwargs)
+
+
+    def keys(self, x: Tensor, scores: Tensor, layout: TokenLayout, args: tuple, kwargs: dict) -> Tensor:
+        """What top-k ranks at this layer under the part's current router kind."""
+        part, kind = self.part, self.part.config.router
+        if kind == "attention":
+            if layout.threshold:
+                # A decode token receives attention from no later token yet: it always runs.
+                return torch.ones_like(scores)
+            if self.capacity >= 1.0 or layout.budget(self.capacity).full:
+                return scores  # every routable token runs: nothing to rank
+            return attention_keys(part.adapter, part.blocks[self.layer_idx], x, layout, args, kwargs)
+        generator = part.random_generator(self.layer_idx, x.device) if kind == "random" else None
+        return selection_keys(kind, scores, layout, self.capacity, generator)
 
 
 class MoDLayer:

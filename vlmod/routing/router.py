@@ -35,7 +35,8 @@ def gate(scores: Tensor, kind: str, alpha: float) -> Tensor | None:
 def selection_keys(
     kind: str, scores: Tensor, layout: TokenLayout, capacity: float, generator: torch.Generator | None
 ) -> Tensor:
-    """What top-k ranks for each router kind; the gate always uses the learned `scores`."""
+    """What top-k ranks for each router kind that needs only the router `scores`; the gate always
+    uses the learned `scores`. ("attention" ranks by the layer's own attention: routing/attention.py.)"""
     if kind == "learned":
         return scores
     if kind == "inverted":
@@ -51,4 +52,9 @@ def selection_keys(
         k = layout.budget(capacity).k
         k = k.unsqueeze(1) if isinstance(k, Tensor) else k
         return -((j * k) % n).to(scores.dtype)
+    if kind == "attention":
+        raise ValueError(
+            "the attention router needs the layer's attention projections: its keys come from "
+            "vlmod.routing.attention.attention_keys (LayerRouting.keys), not from router scores"
+        )
     raise ValueError(f"unknown router {kind!r}")

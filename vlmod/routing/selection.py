@@ -44,6 +44,8 @@ class TokenLayout:
     # predictor trained by aux_loss="bce"), since it cannot be ranked against future tokens.
     threshold: bool = False
     _budgets: dict[float, Budget] = field(default_factory=dict, repr=False)
+    # Query tokens of the attention router (index, valid), once per forward: routing/attention.py.
+    _queries: tuple[Tensor, Tensor | None] | None = field(default=None, repr=False)
 
     @classmethod
     def from_types(

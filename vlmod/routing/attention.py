@@ -1,0 +1,138 @@
+"""The training-free "attention" router: rank routable tokens by the attention text pays them.
+
+For a MoD layer about to run on token states `x` (the previous layer's output), the key of a
+routable token j is the attention it receives from the query tokens Q of its row,
+
+    a_j = 1/(H |Q|) * sum_{h, t in Q} softmax_j( q_{h,t} . k_{h,j} * scale  [masked] )
+
+with q and k this layer's own attention projections of its normed input (RoPE and q/k norms
+included, exactly as the layer would apply them), the softmax over the keys query t would see
+in the dense layer (causal in a decoder, never padding). So a_j is the row-mean over heads and
+query tokens of the dense attention map this layer would compute; rows of Q that precede every
+routable token (a system prompt before the image) add the same zero to every j and do not change
+the ranking. Query tokens are the protected `instruction` tokens (a LLaVA prompt; `response`
+tokens, known only when labels are given, are left out so teacher-forced scoring and generation
+rank alike) and `prefix` tokens (a ViT's CLS/register tokens).
+
+Why this variant of FastV's "attention from text in the previous layer": the decision is about
+the layer about to run, whose input is the previous layer's output, so it needs no attention map
+from another layer (none exists under sdpa/flash, and an eager map is O(L^2) memory), no state
+between layers, and it works in the first converted layer as in any other.
+
+Cost per MoD layer and row, L tokens, T = |Q|, D width, H heads of size d, H_kv key heads: the
+key projection of every token, L*D*H_kv*d MACs (at most one of the layer's four attention
+projections: about 1/12 of a dense Llama layer per token, under 2% with 7:1 grouped-query
+attention), the query projection of the T query tokens, T*D*H*d, and the scores, H*T*L*d; memory
+H*T*L floats. No L x L map is ever formed. At capacity 1.0, and when a batch has nothing
+routable (decode steps), nothing is computed. Runs under no_grad: top-k has no gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from vlmod.config import TokenType
+from vlmod.routing.selection import TokenLayout
+
+# Protected token types whose attention ranks the routable tokens.
+QUERY_TYPES = (TokenType.INSTRUCTION, TokenType.PREFIX)
+
+
+class AttentionQK(NamedTuple):
+    """What a plugin computes for the attention router, in the layer's own attention space."""
+
+    q: Tensor  # [B, H, T, d] queries of the query tokens (RoPE / q-norm applied)
+    k: Tensor  # [B, H_kv, L, d] keys of every token; H a multiple of H_kv (grouped-query attention)
+    scale: float  # the layer's softmax scale (usually d ** -0.5)
+    causal: bool  # a query sees only keys at or before its own position
+
+
+class AttentionSource(Protocol):
+    """The plugin side of the attention router (an optional part of a block adapter)."""
+
+    def check_attention_router(self, blocks: list[nn.Module]) -> None:
+        """Raise ValueError (saying why) if these blocks cannot be scored by attention."""
+
+    def attention_qk(
+        self, block: nn.Module, x: Tensor, query_index: Tensor, args: tuple, kwargs: dict
+    ) -> AttentionQK:
+        """Queries of the tokens at `query_index` [B, T] and keys of all tokens of `x` [B, L, D]."""
+
+
+def check_attention_router(adapter: Any, blocks: list[nn.Module], family: str) -> None:
+    """ValueError unless `adapter` can score `blocks` by attention."""
+    check = getattr(adapter, "check_attention_router", None)
+    if check is None or not hasattr(adapter, "attention_qk"):
+        raise ValueError(f"the attention router is not supported for {family} models")
+    check(blocks)
+
+
+def query_tokens(layout: TokenLayout) -> tuple[Tensor, Tensor | None]:
+    """(index [B, T], valid [B, T] or None) of each row's query tokens, in order; computed once
+    per forward (one host sync for T) and shared by the layout's MoD layers."""
+    if layout._queries is not None:
+        return layout._queries
+    batch, length = layout.shape
+    device = layout.token_types.device
+    if layout.num_prefix is not None:
+        p = layout.num_prefix
+        if p == 0:
+            raise ValueError(
+                "the attention router ranks patches by the attention they receive from prefix (CLS) "
+                "tokens, and this ViT has none"
+            )
+        layout._queries = (torch.arange(p, device=device).expand(batch, p), None)
+        return layout._queries
+    ids = torch.tensor([int(t) for t in QUERY_TYPES], device=device)
+    is_query = layout.protected & torch.isin(layout.token_types, ids)
+    counts = is_query.sum(1)
+    total = max(int(counts.max()), 1) if batch else 1
+    positions = torch.arange(length, device=device).expand(batch, length)
+    slot_key = torch.where(is_query, positions, positions + length)
+    index = slot_key.topk(min(total, length), dim=1, largest=False, sorted=True).indices
+    valid = is_query.gather(1, index)
+    layout._queries = (index, None if bool(valid.all()) else valid)
+    return layout._queries
+
+
+def received_attention(qk: AttentionQK, query_index: Tensor, query_valid: Tensor | None, key_valid: Tensor) -> Tensor:
+    """[B, L] float32: mean over heads and valid queries of the softmax attention each key gets.
+
+    key_valid [B, L]: keys a query may see at all (not padding). Rows without a valid query get 0.
+    """
+    q, k = qk.q.float(), qk.k.float()
+    batch, heads, t, d = q.shape
+    kv_heads, length = k.shape[1], k.shape[2]
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads cannot share {kv_heads} key heads")
+    # Query head h uses key head h // G (transformers' repeat_kv order): no copy of the keys.
+    groups = heads // kv_heads
+    logits = q.reshape(batch, kv_heads, groups * t, d) @ k.transpose(-1, -2)
+    logits = logits.view(batch, heads, t, length) * qk.scale
+    allowed = key_valid[:, None, :].expand(batch, t, length)
+    if qk.causal:
+        keys = torch.arange(length, device=k.device)
+        allowed = allowed & (keys[None, None, :] <= query_index[:, :, None])
+    if query_valid is not None:
+        # Filler query slots attend anywhere (a finite softmax) and get weight 0.
+        allowed = allowed | ~query_valid[:, :, None]
+    probs = logits.masked_fill(~allowed[:, None], float("-inf")).softmax(-1)
+    if query_valid is None:
+        weight = torch.full((batch, t), 1.0 / (heads * t), device=q.device)
+    else:
+        valid = query_valid.float()
+        weight = valid / (heads * valid.sum(1, keepdim=True).clamp_min(1.0))
+    return torch.einsum("bhtl,bt->bl", probs, weight)
+
+
+def attention_keys(
+    adapter: Any, block: nn.Module, x: Tensor, layout: TokenLayout, args: tuple, kwargs: dict
+) -> Tensor:
+    """Selection keys [B, L] of the attention router for one MoD layer (see the module doc)."""
+    index, valid = query_tokens(layout)
+    with torch.no_grad():
+        qk = adapter.attention_qk(block, x, index, args, kwargs)
+        return received_attention(qk, index, valid, layout.token_types != int(TokenType.PADDING))
