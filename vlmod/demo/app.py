@@ -1,0 +1,299 @@
+"""The demo server: a Starlette app that serves the static page and a small JSON API.
+
+API (errors are always `{"error": "..."}` with a 4xx status):
+
+- `GET /api/health` -> `{"status": "ok", "model": {...}, "limits": {...}, "examples": N}`
+- `GET /api/examples` -> `{"examples": [{"name", "kind", "prompt", "answer", "url"}]}`
+- `GET /api/examples/{name}` -> the example's file (names from the bundled list only)
+- `POST /api/analyze`, multipart: `prompt` and either `file` (an image or a video) or `example`
+  (a bundled example's name) -> the analysis (`vlmod.demo.analysis.analyze`):
+
+      {"kind": "image" | "video", "input": "image" | "frames" | "video", "prompt", "answer",
+       "source": {"example": name} | {"upload": {"bytes": n}},
+       "layers": {"language": {"total", "mod": [i, ...]}, "vision": {"total", "mod": [...]}},
+       "media": [{"index", "time_s", "width", "height", "src": data URL of what the model saw,
+                  "views": [{"name", "rows", "cols",
+                             "counts": [rows*cols: MoD language layers that processed the token],
+                             "masks": [per MoD language layer: rows*cols of 0/1]}],
+                  "vision": null | {"name", "rows", "cols", "counts", "masks", "stats"},
+                  "stats": {"tokens", "layer_passes", "dense_layer_passes", "compute_fraction"}}],
+       "stats": {"vision_tokens", "text_tokens", "processed_per_layer", "tokens_skipped",
+                 "skipped_fraction_mod_layers", "skipped_fraction_all_layers",
+                 "flops": {"dense", "mod", "saved_fraction", ...},
+                 "latency_s": {"preprocess", "generate", "queue", "decode"},
+                 "dense": null | {"answer", "latency_s", "same_answer"},
+                 "vision_tower": {...} (when the tower is converted)}}
+
+Safety: the request body is capped (413 past `max_upload_mb`), the upload is checked by decoding
+it (`vlmod.demo.media`), it is written under a fixed name in a private temp folder that is removed
+when the request ends, and examples are looked up by name. The model runs in a worker thread, one
+request at a time (a lock), so the server keeps answering while it works.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException
+from starlette.formparsers import MultiPartException
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from vlmod.demo.analysis import AnalysisError, analyze, load_model
+from vlmod.demo.examples import EXAMPLES_DIR, load_examples
+from vlmod.demo.media import MAX_PIXELS, MediaError, decode_media
+
+HERE = Path(__file__).parent
+STATIC_DIR = HERE / "static"
+DEFAULT_MODEL_DIR = HERE / "assets" / "model"
+DEFAULT_DENSE_DIR = HERE / "assets" / "dense"
+MAX_PROMPT_CHARS = 1000
+FORM_OVERHEAD = 64 * 1024  # multipart boundaries, headers, the prompt
+
+
+class DemoSetupError(RuntimeError):
+    """The demo cannot start: no model to serve."""
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+def _error(message: str, status: int) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status)
+
+
+class BodyLimit:
+    """Refuse request bodies over `limit` bytes: by Content-Length up front, else while reading."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            await _too_large(self.limit)(scope, receive, send)
+            return
+        seen = 0
+
+        async def counted() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise _BodyTooLarge
+            return message
+
+        await self.app(scope, counted, send)
+
+
+def _too_large(limit: int) -> JSONResponse:
+    return _error(f"the upload is too large: the demo takes files up to {limit / 2**20:.0f} MB", 413)
+
+
+def resolve_model_dirs(model_dir: str | Path | None, dense_dir: str | Path | None) -> tuple[Path, Path | None]:
+    """(model, dense) directories: the given ones, else the embedded default model."""
+    if model_dir is not None:
+        return Path(model_dir).expanduser(), None if dense_dir is None else Path(dense_dir).expanduser()
+    if not (DEFAULT_MODEL_DIR / "config.json").is_file():
+        raise DemoSetupError(
+            f"no --model given and the embedded demo model is missing ({DEFAULT_MODEL_DIR} has no "
+            "config.json). Pass --model DIR (a checkpoint converted with `vlmod convert`), or build the "
+            "embedded model with `python scripts/build_demo_model.py`."
+        )
+    if dense_dir is None and (DEFAULT_DENSE_DIR / "config.json").is_file():
+        dense_dir = DEFAULT_DENSE_DIR
+    return DEFAULT_MODEL_DIR, None if dense_dir is None else Path(dense_dir).expanduser()
+
+
+def create_app(
+    model_dir: str | Path | None = None,
+    dense_dir: str | Path | None = None,
+    *,
+    max_upload_mb: float = 25.0,
+    max_new_tokens: int = 16,
+    num_frames: int = 8,
+    max_pixels: int = MAX_PIXELS,
+    device: str = "cpu",
+    tmp_dir: str | Path | None = None,
+    examples_dir: Path = EXAMPLES_DIR,
+) -> Starlette:
+    """The demo app serving `model_dir` (default: the embedded model) and, when given or embedded,
+    its dense counterpart for side-by-side answers and latency.
+
+    The model loads here, so a bad checkpoint fails at start, not on the first request.
+    """
+    model_path, dense_path = resolve_model_dirs(model_dir, dense_dir)
+    for path in (model_path, dense_path):
+        if path is not None and not (path / "config.json").is_file():
+            raise DemoSetupError(f"{path} is not a model directory (no config.json)")
+    loaded = load_model(model_path, dense_path, device=device)
+    examples = load_examples(examples_dir)
+    max_upload = int(max_upload_mb * 2**20)
+    model_lock = threading.Lock()
+    if tmp_dir is not None:
+        Path(tmp_dir).mkdir(parents=True, exist_ok=True)
+
+    def run_model(media: Any, prompt: str) -> dict[str, Any]:
+        """In a worker thread: wait for the model, then analyse (one request at a time)."""
+        start = time.perf_counter()
+        with model_lock:
+            waited = time.perf_counter() - start
+            result = analyze(loaded, media, prompt, max_new_tokens=max_new_tokens)
+        result["stats"]["latency_s"]["queue"] = waited
+        return result
+
+    async def index(request: Request) -> Response:
+        return FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
+
+    async def health(request: Request) -> Response:
+        return JSONResponse(
+            {
+                "status": "ok",
+                "model": loaded.describe(),
+                "limits": {
+                    "max_upload_bytes": max_upload,
+                    "max_prompt_chars": MAX_PROMPT_CHARS,
+                    "max_new_tokens": max_new_tokens,
+                    "num_frames": num_frames,
+                },
+                "examples": len(examples),
+            }
+        )
+
+    async def list_examples(request: Request) -> Response:
+        return JSONResponse(
+            {
+                "examples": [
+                    {"name": e.name, "kind": e.kind, "prompt": e.prompt, "answer": e.answer,
+                     "url": f"/api/examples/{e.name}"}
+                    for e in examples.values()
+                ]
+            }
+        )
+
+    async def example_file(request: Request) -> Response:
+        example = examples.get(request.path_params["name"])
+        if example is None:
+            return _error(f"unknown example; choose one of: {', '.join(examples) or 'none bundled'}", 404)
+        return FileResponse(example.path(examples_dir), media_type=example.media_type)
+
+    async def analyze_route(request: Request) -> Response:
+        received = time.perf_counter()
+        try:
+            form = await request.form(max_files=1, max_fields=8, max_part_size=FORM_OVERHEAD)
+        except _BodyTooLarge:
+            return _too_large(max_upload)
+        except MultiPartException as err:
+            return _error(f"bad form data: {err}", 400)
+        except (AssertionError, ValueError) as err:  # no / wrong content type
+            return _error(f"send multipart/form-data with a prompt and a file or an example ({err})", 400)
+        workdir = Path(tempfile.mkdtemp(prefix="vlmod-demo-", dir=tmp_dir))
+        try:
+            prompt = form.get("prompt")
+            if not isinstance(prompt, str) or not prompt.strip():
+                return _error("the prompt is empty: ask a question about the picture", 400)
+            prompt = prompt.strip()
+            if len(prompt) > MAX_PROMPT_CHARS:
+                return _error(f"the prompt is too long ({len(prompt)} characters, at most {MAX_PROMPT_CHARS})", 400)
+            upload, name = form.get("file"), form.get("example")
+            has_upload = isinstance(upload, UploadFile) and bool(upload.filename or upload.size)
+            if upload is not None and not isinstance(upload, UploadFile):
+                return _error("'file' must be an uploaded file", 400)
+            if has_upload and name:
+                return _error("send either a file or an example name, not both", 400)
+            if has_upload:
+                path = workdir / "upload"  # never the client's file name
+                size = await _save_upload(upload, path, max_upload)
+                if size is None:
+                    return _too_large(max_upload)
+                source: dict[str, Any] = {"upload": {"bytes": size}}
+            elif name:
+                example = examples.get(str(name))
+                if example is None:
+                    return _error(f"unknown example {str(name)[:60]!r}; choose one of: {', '.join(examples)}", 404)
+                path, source = example.path(examples_dir), {"example": example.name}
+            else:
+                return _error("no input: upload an image or a video, or pick an example", 400)
+            try:
+                media = await run_in_threadpool(decode_media, path, num_frames, max_pixels)
+            except MediaError as err:
+                return _error(str(err), err.status)
+        finally:
+            await form.close()
+            shutil.rmtree(workdir, ignore_errors=True)
+        decoded = time.perf_counter() - received
+        try:
+            result = await run_in_threadpool(run_model, media, prompt)
+        except AnalysisError as err:
+            return _error(f"this model's token layout is not supported by the demo: {err}", 422)
+        result["source"] = source
+        result["stats"]["latency_s"]["decode"] = decoded
+        return JSONResponse(result)
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        return _error(exc.detail or "error", exc.status_code)
+
+    routes = [
+        Route("/", index),
+        Route("/api/health", health),
+        Route("/api/examples", list_examples),
+        Route("/api/examples/{name}", example_file),
+        Route("/api/analyze", analyze_route, methods=["POST"]),
+        Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),
+    ]
+    handlers: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {HTTPException: http_error}
+    app = Starlette(routes=routes, exception_handlers=handlers)
+    app.add_middleware(BodyLimit, limit=max_upload + FORM_OVERHEAD)
+    app.state.loaded = loaded
+    app.state.examples = examples
+    return app
+
+
+async def _save_upload(upload: UploadFile, path: Path, limit: int) -> int | None:
+    """Copy an upload to `path` in chunks; None (and nothing kept) when it is over `limit` bytes."""
+    size = 0
+    with path.open("wb") as out:
+        while chunk := await upload.read(1 << 20):
+            size += len(chunk)
+            if size > limit:
+                break
+            out.write(chunk)
+    if size > limit:
+        path.unlink(missing_ok=True)
+        return None
+    return size
+
+
+def serve(
+    model_dir: str | Path | None = None,
+    dense_dir: str | Path | None = None,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    **kwargs: Any,
+) -> None:
+    """Load the model and serve the demo with uvicorn until interrupted."""
+    import uvicorn
+
+    app = create_app(model_dir, dense_dir, **kwargs)
+    shown = "localhost" if host in ("127.0.0.1", "0.0.0.0", "::") else host
+    print(f"vlmod demo: serving {app.state.loaded.path} on http://{shown}:{port}", flush=True)
+    uvicorn.run(app, host=host, port=port, log_level="warning")
