@@ -382,11 +382,53 @@ def add_tiny_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
     return add_tiny_arguments(p)
 
 
+# ----------------------------------------------------------------------------- demo
+
+
+def add_demo_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
+    """`vlmod demo`: the web demo (needs the `demo` extra)."""
+    p = subparsers.add_parser(
+        "demo",
+        help="web demo: which vision tokens each MoD layer runs, on your images and videos",
+        description="Serve the vlmod web demo: upload an image or a video (or pick an example), ask a "
+        "question, and see per patch how many MoD layers ran each vision token. Without --model it "
+        "serves the embedded tiny model trained on the synthetic set.",
+    )
+    p.add_argument("--model", default=None, help="converted checkpoint directory (default: the embedded demo model)")
+    p.add_argument("--dense", default=None, help="dense checkpoint to compare answers and latency with")
+    p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: 127.0.0.1)")
+    p.add_argument("--port", type=positive_int, default=8000, help="port (default: 8000)")
+    p.add_argument("--max-upload-mb", type=float, default=25.0, help="largest upload in MB (default: 25)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=16, help="answer length in tokens (default: 16)")
+    p.add_argument("--frames", type=positive_int, default=8, help="frames sampled from a video (default: 8)")
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: cpu)")
+    p.set_defaults(run=run_demo)
+    return p
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    try:
+        from vlmod.demo.app import DemoSetupError, serve
+    except ImportError as e:
+        raise UsageError(f"the demo needs its extra: pip install 'vlmod[demo]' ({e})") from None
+    if args.max_upload_mb <= 0:
+        raise UsageError(f"--max-upload-mb must be > 0, got {args.max_upload_mb}")
+    try:
+        serve(
+            args.model, args.dense, host=args.host, port=args.port, max_upload_mb=args.max_upload_mb,
+            max_new_tokens=args.max_new_tokens, num_frames=args.frames, device=args.device,
+        )
+    except (DemoSetupError, FileNotFoundError, TypeError, ValueError) as e:
+        raise UsageError(str(e)) from None
+    return 0
+
+
 # ----------------------------------------------------------------------------- main
 
 # Top-level subcommands.
 COMMANDS: list[Callable[[SubParsers], argparse.ArgumentParser]] = [
     add_convert_parser, add_rank_parser, add_bench_parser, add_finetune_parser, add_tiny_parser,
+    add_demo_parser,
 ]
 
 
