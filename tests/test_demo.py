@@ -1,0 +1,462 @@
+"""The web demo: API (analysis JSON against the trace, limits, bad input), layouts, examples, CLI,
+and the page itself in headless Chromium."""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+pytest.importorskip("starlette")
+pytest.importorskip("multipart")
+pytest.importorskip("httpx")
+
+from starlette.testclient import TestClient  # noqa: E402
+
+import vlmod  # noqa: E402
+from vlmod import tiny  # noqa: E402
+from vlmod.demo import analysis, examples  # noqa: E402
+from vlmod.demo import app as demo_app  # noqa: E402
+from vlmod.demo.app import DemoSetupError, create_app  # noqa: E402
+
+CAPACITY = 0.5
+LANGUAGE_LAYERS = [1, 2]
+MAX_UPLOAD_MB = 0.2
+
+
+def _converted(family: str, root: Path) -> tuple[Path, Path]:
+    """(MoD checkpoint, dense checkpoint) of a tiny model: language layers 1, 2 and vision layer 1
+    converted at capacity 0.5, routers trained for a few steps so they rank tokens by content."""
+    dense = tiny.save(family, root / "dense", image_size=32, patch_size=8)
+    model = vlmod.load_pretrained(dense)
+    vlmod.apply_mod(model, vlmod.MoDConfig(capacity=CAPACITY, layers=LANGUAGE_LAYERS, routable=("image", "video")))
+    vlmod.apply_mod(model, vlmod.MoDConfig(capacity=CAPACITY, layers=[1], routable=("image",)), part="vision")
+    torch.manual_seed(0)
+    for name, p in model.named_parameters():
+        if "router" in name:
+            torch.nn.init.normal_(p, std=0.5)
+    out = root / "mod"
+    model.save_pretrained(out)
+    from transformers import AutoProcessor
+
+    AutoProcessor.from_pretrained(dense).save_pretrained(out)
+    return out, dense
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return _converted("llava", tmp_path_factory.mktemp("llava"))
+
+
+@pytest.fixture(scope="module")
+def tmp_uploads(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("uploads")
+
+
+@pytest.fixture(scope="module")
+def client(checkpoints: tuple[Path, Path], tmp_uploads: Path) -> TestClient:
+    mod, dense = checkpoints
+    app = create_app(mod, dense, max_upload_mb=MAX_UPLOAD_MB, max_new_tokens=4, num_frames=4, tmp_dir=tmp_uploads)
+    return TestClient(app)
+
+
+def _png(size: tuple[int, int] = (48, 40), seed: int = 0) -> bytes:
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _example_bytes(name: str) -> bytes:
+    return examples.load_examples()[name].path().read_bytes()
+
+
+def _post(client: TestClient, prompt: str | None = "what color is the circle ?", **files: tuple) -> dict:
+    data = {} if prompt is None else {"prompt": prompt}
+    return client.post("/api/analyze", data=data, files=files or None)
+
+
+# ----------------------------------------------------------------------------- API
+
+
+def test_health_reports_model_and_limits(client: TestClient) -> None:
+    body = client.get("/api/health").json()
+    assert body["status"] == "ok"
+    assert body["model"]["mod_layers"] == {"language": LANGUAGE_LAYERS, "vision": [1]}
+    assert body["model"]["dense"] == "dense"
+    assert body["limits"]["max_upload_bytes"] == int(MAX_UPLOAD_MB * 2**20)
+    assert body["examples"] == len(examples.SPECS)
+
+
+def test_page_and_static_files_are_served_locally(client: TestClient) -> None:
+    page = client.get("/")
+    assert page.status_code == 200 and "/static/app.js" in page.text
+    assert "http://" not in page.text and "https://" not in page.text  # no CDN
+    for name in ("app.js", "style.css"):
+        assert client.get(f"/static/{name}").status_code == 200
+
+
+def test_analyze_image_grid_masks_and_counts_match_the_trace(client: TestClient) -> None:
+    png = _png()
+    r = client.post("/api/analyze", data={"prompt": "what color is the circle ?"},
+                    files={"file": ("whatever.bin", png, "application/octet-stream")})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["kind"] == "image" and body["input"] == "image"
+    assert isinstance(body["answer"], str)
+    assert body["source"] == {"upload": {"bytes": len(png)}}
+    assert body["layers"]["language"] == {"total": 4, "mod": LANGUAGE_LAYERS}
+    (item,) = body["media"]
+    (view,) = item["views"]
+    assert (view["rows"], view["cols"]) == (4, 4)  # 32 px / 8 px patches
+    # The CLIP processor centre-crops: the picture shown is the square the model saw.
+    assert (item["width"], item["height"]) == (40, 40)
+    assert item["src"].startswith("data:image/png;base64,")
+    assert len(view["counts"]) == 16 and len(view["masks"]) == len(LANGUAGE_LAYERS)
+    masks = np.array(view["masks"])
+    assert set(np.unique(masks)) <= {0, 1}
+    assert (masks.sum(0) == np.array(view["counts"])).all()
+    k = math.ceil(CAPACITY * 16)
+    assert masks.sum(1).tolist() == [k] * len(LANGUAGE_LAYERS)
+    stats = body["stats"]
+    assert stats["vision_tokens"] == 16
+    assert stats["processed_per_layer"] == {str(i): k for i in LANGUAGE_LAYERS}
+    assert stats["tokens_skipped"] == (16 - k) * len(LANGUAGE_LAYERS)
+    assert stats["skipped_fraction_mod_layers"] == pytest.approx(1 - k / 16)
+    assert 0 < stats["flops"]["saved_fraction"] < 1
+    assert stats["flops"]["mod"] < stats["flops"]["dense"]
+    assert stats["dense"]["answer"] is not None and stats["dense"]["latency_s"] > 0
+    assert item["stats"]["layer_passes"] == 16 * 4 - stats["tokens_skipped"]
+
+    # The same masks from a trace of our own: the prefill of the same inputs.
+    loaded = client.app.state.loaded
+    media = analysis.Media("image", [Image.open(io.BytesIO(png)).convert("RGB")])
+    inputs, _ = analysis.build_inputs(loaded, media, "what color is the circle ?")
+    with torch.inference_mode(), vlmod.trace_routing(loaded.model) as trace:
+        loaded.model(**inputs)
+    image_positions = (inputs["input_ids"][0] == loaded.model.config.image_token_id).nonzero().flatten()
+    for row, layer in zip(masks, LANGUAGE_LAYERS, strict=True):
+        expected = trace.processed[("language", layer)][0, image_positions].int().tolist()
+        assert row.tolist() == expected
+    vision = item["vision"]
+    assert (vision["rows"], vision["cols"]) == (4, 4)
+    patches = trace.part_token_types("vision")[0] != vlmod.TokenType.PREFIX
+    assert vision["masks"][0] == trace.processed[("vision", 1)][0, patches].int().tolist()
+    assert vision["counts"] == vision["masks"][0]
+
+
+def test_analyze_example_by_name_video_as_frames_on_an_image_model(client: TestClient) -> None:
+    r = client.post("/api/analyze", data={"prompt": "which direction is it moving ?", "example": "moving-right"})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["kind"] == "video" and body["input"] == "frames"
+    assert body["source"] == {"example": "moving-right"}
+    assert len(body["media"]) == 4  # num_frames
+    times = [m["time_s"] for m in body["media"]]
+    assert times == sorted(times) and len(set(times)) == 4
+    k = math.ceil(CAPACITY * 4 * 16)  # k is over all image tokens of the prompt
+    for layer_idx in range(len(LANGUAGE_LAYERS)):
+        assert sum(sum(m["views"][0]["masks"][layer_idx]) for m in body["media"]) == k
+    for m in body["media"]:
+        s = m["stats"]
+        assert s["tokens"] == 16 and s["dense_layer_passes"] == 64
+        assert s["compute_fraction"] == pytest.approx(s["layer_passes"] / 64)
+        assert m["vision"]["rows"] == 4
+
+
+def test_video_model_gets_video_tokens_per_frame(tmp_path: Path) -> None:
+    mod, dense = _converted("llava_next_video", tmp_path)
+    client = TestClient(create_app(mod, None, max_new_tokens=2, num_frames=4))
+    assert client.get("/api/health").json()["model"]["video"] is True
+    r = client.post("/api/analyze", data={"prompt": "which direction ?"},
+                    files={"file": ("clip", _example_bytes("moving-right"), "video/mp4")})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["input"] == "video" and len(body["media"]) == 4
+    assert body["stats"]["dense"] is None
+    for m in body["media"]:
+        (view,) = m["views"]
+        assert (view["rows"], view["cols"]) == (2, 2)  # 4 x 4 patches pooled by stride 2
+        assert m["vision"]["rows"] == 4
+    assert body["stats"]["vision_tokens"] == 16
+
+
+def test_anyres_image_gets_high_res_and_overview_grids(tmp_path: Path) -> None:
+    mod, _ = _converted("llava_next_video", tmp_path)
+    client = TestClient(create_app(mod, None, max_new_tokens=2))
+    r = client.post("/api/analyze", data={"prompt": "what ?"}, files={"file": ("x", _png((80, 40)), "image/png")})
+    assert r.status_code == 200, r.text
+    item = r.json()["media"][0]
+    names = [v["name"] for v in item["views"]]
+    assert names == ["high-res", "overview"]
+    high = item["views"][0]
+    assert high["cols"] > high["rows"]  # a wide picture keeps its aspect ratio
+    assert (item["width"], item["height"]) == (80, 40)  # anyres sees the whole picture
+
+
+def test_upload_too_large_is_413(client: TestClient) -> None:
+    big = os.urandom(int(MAX_UPLOAD_MB * 2**20) + 200_000)
+    r = _post(client, file=("big.png", big, "image/png"))
+    assert r.status_code == 413 and "too large" in r.json()["error"]
+
+
+def test_upload_too_large_without_content_length_is_413(client: TestClient) -> None:
+    boundary = "vlmodtestboundary"
+    head = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"prompt\"\r\n\r\nhi\r\n"
+            f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a\"\r\n"
+            "Content-Type: application/octet-stream\r\n\r\n").encode()
+
+    def chunks():  # a generator body is sent chunked: no Content-Length to refuse up front
+        yield head
+        for _ in range(int(MAX_UPLOAD_MB * 8) + 4):
+            yield b"\0" * 2**17
+        yield f"\r\n--{boundary}--\r\n".encode()
+
+    r = client.post("/api/analyze", content=chunks(),
+                    headers={"content-type": f"multipart/form-data; boundary={boundary}"})
+    assert r.status_code == 413
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [b"just some text, not a picture\n" * 20, os.urandom(5000), b"%PDF-1.4\n" + b"0" * 100],
+    ids=["text", "random", "pdf"],
+)
+def test_non_image_file_is_415(client: TestClient, payload: bytes) -> None:
+    r = _post(client, file=("picture.png", payload, "image/png"))  # the name and type lie
+    assert r.status_code == 415
+    assert "neither as an image" in r.json()["error"]
+
+
+def test_corrupt_image_is_400(client: TestClient) -> None:
+    png = _png((64, 64))
+    r = _post(client, file=("x.png", png[: len(png) // 2], "image/png"))
+    assert r.status_code == 400 and "corrupt" in r.json()["error"]
+
+
+def test_corrupt_video_is_400(client: TestClient) -> None:
+    clip = _example_bytes("moving-right")
+    truncated = clip[:1500]
+    garbled = clip[:64] + bytes(len(clip) - 64)
+    for payload in (truncated, garbled):
+        r = _post(client, file=("clip.mp4", payload, "video/mp4"))
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert "video is corrupt" in error and str(client.app.state.loaded.path) not in error
+
+
+@pytest.mark.parametrize("prompt", [None, "", "   \n "])
+def test_empty_prompt_is_400(client: TestClient, prompt: str | None) -> None:
+    r = _post(client, prompt, file=("x.png", _png(), "image/png"))
+    assert r.status_code == 400 and "prompt" in r.json()["error"]
+
+
+def test_bad_requests_are_400_json(client: TestClient) -> None:
+    assert _post(client).status_code == 400  # no file, no example
+    both = client.post("/api/analyze", data={"prompt": "hi", "example": "count-three"},
+                       files={"file": ("x.png", _png(), "image/png")})
+    assert both.status_code == 400 and "not both" in both.json()["error"]
+    too_long = _post(client, "word " * 500, file=("x.png", _png(), "image/png"))
+    assert too_long.status_code == 400 and "too long" in too_long.json()["error"]
+    not_form = client.post("/api/analyze", json={"prompt": "hi"})
+    assert not_form.status_code == 400 and "error" in not_form.json()
+    assert client.get("/api/analyze").status_code == 405
+    assert client.get("/nowhere").json() == {"error": "Not Found"}
+
+
+@pytest.mark.parametrize("name", ["no-such-example", "../../etc/passwd", "examples.json"])
+def test_unknown_example_is_404(client: TestClient, name: str) -> None:
+    r = client.post("/api/analyze", data={"prompt": "hi", "example": name})
+    assert r.status_code == 404 and "unknown example" in r.json()["error"]
+    assert client.get(f"/api/examples/{name}").status_code == 404
+
+
+def test_examples_are_listed_and_served(client: TestClient) -> None:
+    listed = client.get("/api/examples").json()["examples"]
+    assert [e["name"] for e in listed] == [s.name for s in examples.SPECS]
+    for e in listed:
+        r = client.get(e["url"])
+        assert r.status_code == 200 and r.content == _example_bytes(e["name"])
+        assert e["prompt"] and e["answer"]
+
+
+def test_temp_files_are_removed(client: TestClient, tmp_uploads: Path) -> None:
+    _post(client, file=("x.png", _png(), "image/png"))
+    _post(client, file=("x.mp4", b"\0" * 100, "video/mp4"))
+    assert list(tmp_uploads.iterdir()) == []
+
+
+def test_server_answers_while_the_model_runs(client: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model runs in a worker thread under a lock: health answers meanwhile, requests queue."""
+    started, release = threading.Event(), threading.Event()
+    real = demo_app.analyze
+
+    def slow(*args, **kwargs):
+        started.set()
+        assert release.wait(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(demo_app, "analyze", slow)
+    results: list = []
+    workers = [
+        threading.Thread(target=lambda: results.append(_post(client, file=("x.png", _png(), "image/png"))))
+        for _ in range(2)
+    ]
+    for w in workers:
+        w.start()
+    assert started.wait(30)
+    assert client.get("/api/health").status_code == 200
+    time.sleep(0.2)
+    release.set()
+    for w in workers:
+        w.join(60)
+    assert [r.status_code for r in results] == [200, 200]
+    assert max(r.json()["stats"]["latency_s"]["queue"] for r in results) > 0.1
+
+
+# ----------------------------------------------------------------------------- setup, layouts
+
+
+def test_missing_default_model_says_what_to_do(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys) -> None:
+    monkeypatch.setattr(demo_app, "DEFAULT_MODEL_DIR", tmp_path / "model")
+    with pytest.raises(DemoSetupError, match="build_demo_model.py"):
+        create_app()
+    from vlmod.cli import main
+
+    assert main(["demo", "--port", "8765"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "--model" in err and "build_demo_model.py" in err
+
+
+def test_plain_checkpoint_is_refused(checkpoints: tuple[Path, Path]) -> None:
+    with pytest.raises(ValueError, match="no MoD layers"):
+        create_app(checkpoints[1])
+
+
+def test_image_views_follow_the_family_layouts() -> None:
+    (plain,) = analysis.image_views(16, 4, 1.0)
+    assert (plain.rows, plain.cols, plain.tokens) == (4, 4, list(range(16)))
+    # anyres: a 4x4 overview, then 4 rows of 8 cells each followed by a newline token.
+    high, overview = analysis.image_views(16 + 4 * 9, 4, 2.0)
+    assert (high.rows, high.cols) == (4, 8) and overview.tokens == list(range(16))
+    assert high.tokens[:9] == [*range(16, 24), 25] and 24 not in high.tokens
+    with pytest.raises(analysis.AnalysisError):
+        analysis.image_views(7, 4, 1.0)
+
+
+def test_video_views_with_and_without_a_trailing_newline() -> None:
+    frames = analysis.video_views(16, 4)
+    assert [(f[0].rows, f[0].tokens[0]) for f in frames] == [(2, 0), (2, 4), (2, 8), (2, 12)]
+    assert analysis.video_views(17, 4)[3][0].tokens == [12, 13, 14, 15]
+    with pytest.raises(analysis.AnalysisError):
+        analysis.video_views(10, 4)
+
+
+def test_bundled_examples_regenerate_byte_for_byte(tmp_path: Path) -> None:
+    written = examples.write_examples(tmp_path)
+    for path in written:
+        bundled = examples.EXAMPLES_DIR / path.name
+        if path.suffix == ".mp4":  # encoder builds may differ in bytes; the frames may not
+            from vlmod.video import load_video
+
+            a, b = load_video(path, num_frames=8), load_video(bundled, num_frames=8)
+            assert a.frames.shape == b.frames.shape
+            assert np.abs(a.frames.astype(int) - b.frames.astype(int)).mean() < 1.0
+        else:
+            assert path.read_bytes() == bundled.read_bytes(), path.name
+        assert path.stat().st_size < 64_000
+
+
+# ----------------------------------------------------------------------------- browser
+
+CHROMIUM = "/usr/bin/chromium"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_page_in_headless_chromium(checkpoints: tuple[Path, Path], tmp_path: Path) -> None:
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"{CHROMIUM} is missing (apt-get install chromium)")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.skip("playwright is not installed (pip install playwright)")
+    import uvicorn
+
+    mod, dense = checkpoints
+    app = create_app(mod, dense, max_new_tokens=4, num_frames=4)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=_free_port(), log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.started, "uvicorn did not start"
+    url = f"http://127.0.0.1:{server.config.port}/"
+    image = tmp_path / "upload.png"
+    image.write_bytes(_png((64, 64), seed=3))
+    errors: list[str] = []
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(
+                executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"]
+            )
+            try:
+                page = browser.new_page(viewport={"width": 1280, "height": 900})
+                page.on("pageerror", lambda e: errors.append(str(e)))
+                page.goto(url)
+                page.wait_for_selector(".example")  # examples loaded from the API
+                page.set_input_files("#file", str(image))
+                page.fill("#prompt", "what color is the circle ?")
+                page.click("#run")
+                page.wait_for_selector("#stage[data-drawn='1']", timeout=60_000)
+                page.wait_for_selector("#stats[data-ready='1']")
+                pixels = page.evaluate(
+                    """() => {
+                        const c = document.getElementById('stage');
+                        const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+                        let opaque = 0; const colours = new Set();
+                        for (let i = 0; i < d.length; i += 4 * 7) {
+                            if (d[i + 3] > 0) opaque++;
+                            colours.add((d[i] >> 4) + ',' + (d[i + 1] >> 4) + ',' + (d[i + 2] >> 4));
+                        }
+                        return {width: c.width, height: c.height, opaque, colours: colours.size};
+                    }"""
+                )
+                assert pixels["width"] > 100 and pixels["height"] > 100
+                assert pixels["opaque"] > 0.9 * pixels["width"] * pixels["height"] / 7
+                assert pixels["colours"] > 20  # the picture under a multi-colour overlay, not a flat fill
+                stats = page.inner_text("#stats")
+                assert "FLOPS SAVED" in stats.upper() and "%" in stats
+                assert page.inner_text("#answer").strip()
+                # One layer's mask through the slider.
+                page.fill("#layer", "1")
+                page.dispatch_event("#layer", "input")
+                assert "Layer 1" in page.inner_text("#layer-label")
+                page.screenshot(path=str(tmp_path / "demo-desktop.png"), full_page=True)
+                # Phone width: nothing wider than the screen.
+                page.set_viewport_size({"width": 390, "height": 844})
+                page.wait_for_timeout(200)
+                assert page.evaluate("document.documentElement.scrollWidth") <= 390
+                page.screenshot(path=str(tmp_path / "demo-phone.png"), full_page=True)
+            finally:
+                browser.close()
+    finally:
+        server.should_exit = True
+        thread.join(10)
+    assert not errors, errors
+    assert (tmp_path / "demo-desktop.png").stat().st_size > 10_000
+    print(f"screenshots: {tmp_path / 'demo-desktop.png'} {tmp_path / 'demo-phone.png'}")
