@@ -394,7 +394,7 @@ function renderStats() {
   box.textContent = "";
   const kind = r.input === "video" ? "video" : "image";
   box.append(stat("Vision tokens skipped", pct(s.skipped_fraction_mod_layers),
-    `${s.tokens_skipped} of ${s.vision_tokens} ${kind} tokens × ${nMod} MoD layers · ${s.text_tokens} text tokens always run`));
+    `${s.tokens_skipped} of ${s.vision_tokens * nMod} ${kind}-token passes at ${nMod} MoD layers · ${s.text_tokens} text tokens always run`));
   box.append(stat("FLOPs saved", pct(s.flops.saved_fraction, 1),
     `${flops(s.flops.mod)} vs ${flops(s.flops.dense)} dense (prefill)`));
   const lat = s.latency_s;
