@@ -361,7 +361,7 @@ def test_video_views_with_and_without_a_trailing_newline() -> None:
         analysis.video_views(10, 4)
 
 
-def test_bundled_examples_regenerate_byte_for_byte(tmp_path: Path) -> None:
+def test_bundled_examples_regenerate(tmp_path: Path) -> None:
     written = examples.write_examples(tmp_path)
     for path in written:
         bundled = examples.EXAMPLES_DIR / path.name
@@ -371,6 +371,8 @@ def test_bundled_examples_regenerate_byte_for_byte(tmp_path: Path) -> None:
             a, b = load_video(path, num_frames=8), load_video(bundled, num_frames=8)
             assert a.frames.shape == b.frames.shape
             assert np.abs(a.frames.astype(int) - b.frames.astype(int)).mean() < 1.0
+        elif path.suffix == ".png":  # compressed bytes depend on the zlib build; the pixels may not
+            assert (np.asarray(Image.open(path)) == np.asarray(Image.open(bundled))).all(), path.name
         else:
             assert path.read_bytes() == bundled.read_bytes(), path.name
         assert path.stat().st_size < 64_000
