@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 import math
 
 import numpy as np
@@ -326,3 +327,38 @@ def test_use_router_restores_after_an_error_and_checks_its_arguments():
         vlmod.set_router(vit, "random", part="language")
     with pytest.raises(ValueError, match="no MoD layers"):
         vlmod.set_router(copy.deepcopy(_timm_vit()), "random")
+
+
+# ---------------------------------------------------------------------------- training-free conversion
+
+
+def test_convert_with_the_attention_router_is_usable_without_fine_tuning(tmp_path, capsys):
+    from transformers import AutoProcessor
+
+    from vlmod.cli import main
+
+    source = tiny.save("llava", tmp_path / "dense")
+    out = tmp_path / "mod"
+    assert main([
+        "convert", "--model", str(source), "--out", str(out), "--capacity", "0.5", "--router", "attention",
+        "--vision-capacity", "0.5",
+    ]) == 0
+    report = json.loads((out / "vlmod_report.json").read_text())
+    assert report["settings"]["language"]["router"] == "attention"
+    assert report["settings"]["vision"]["router"] == "attention"  # the CLIP tower has a CLS token
+    model = vlmod.load_pretrained(out)
+    assert {p.config.router for p in vlmod.routing.trace.find_parts(model)} == {"attention"}
+    processor = AutoProcessor.from_pretrained(out)
+    text = processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what color is the circle"}]}],
+        add_generation_prompt=True,
+    )
+    image = Image.fromarray((np.random.RandomState(0).rand(32, 32, 3) * 255).astype("uint8"))
+    inputs = dict(processor(images=[image], text=[text], return_tensors="pt"))
+    with torch.no_grad(), vlmod.trace_routing(model) as trace:
+        generated = model.generate(**inputs, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert generated.shape[1] == inputs["input_ids"].shape[1] + 3
+    image_tokens = inputs["input_ids"] == model.config.image_token_id
+    assert int((trace.steps[0][("language", 1)][0] & image_tokens).sum()) == 8  # half of 16 image tokens
+    assert main(["convert", "--model", str(source), "--out", str(tmp_path / "x"), "--router", "oracle"]) == 2
+    assert "invalid choice" in capsys.readouterr().err

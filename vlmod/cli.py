@@ -32,6 +32,7 @@ from vlmod.bench import (
     parse_layers,
     write_json,
 )
+from vlmod.config import ROUTERS
 
 EXIT_USAGE = 2
 
@@ -273,6 +274,10 @@ def add_convert_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
     p.add_argument("--calib-prompt", default="describe the image .", help="prompt for an image-folder --calib-data")
     p.add_argument("--calib-samples", type=positive_int, default=64, help="calibration samples (default: 64)")
     p.add_argument("--routable", default=None, help="comma list of routable token types (default: image,video)")
+    p.add_argument(
+        "--router", choices=ROUTERS, default=None,
+        help="router kind (default: learned); attention routes without fine-tuning (training-free)",
+    )
     p.add_argument("--capacity-schedule", choices=("cosine",), default=None, help="per-layer capacity decay")
     p.add_argument("--vision-capacity", type=_capacity, default=None, help="also convert the vision tower at this capacity")
     p.add_argument("--vision-layers", type=_layers, default=None, help="vision tower layers (default: every_other)")
@@ -309,6 +314,7 @@ def run_convert(args: argparse.Namespace) -> int:
         "vision_capacity": args.vision_capacity, "vision_layers": args.vision_layers, "dtype": args.dtype,
         "overwrite": args.overwrite or None,
         "routable": [t.strip() for t in args.routable.split(",")] if args.routable else None,
+        "router": args.router,
     }
     try:
         if args.config:
@@ -423,12 +429,29 @@ def run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- audit
+
+
+def add_audit_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
+    """`vlmod audit`: learned routing against counterfactual and training-free routers."""
+    from vlmod.audit import add_audit_arguments
+
+    p = subparsers.add_parser(
+        "audit",
+        help="compare the learned router with inverted / random / stride / attention routing",
+        description="With the weights fixed, swap the router of a converted model at inference and report "
+        "accuracy and answer loss for each, the cross-layer Jaccard agreement of processed tokens, compute "
+        "by token position and type, PNG plots and a written verdict.",
+    )
+    return add_audit_arguments(p)
+
+
 # ----------------------------------------------------------------------------- main
 
 # Top-level subcommands.
 COMMANDS: list[Callable[[SubParsers], argparse.ArgumentParser]] = [
     add_convert_parser, add_rank_parser, add_bench_parser, add_finetune_parser, add_tiny_parser,
-    add_demo_parser,
+    add_demo_parser, add_audit_parser,
 ]
 
 

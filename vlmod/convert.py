@@ -76,6 +76,7 @@ class ConvertOptions:
         return MoDConfig(
             capacity=self.vision_capacity if self.vision_capacity is not None else self.capacity,
             layers=self.vision_layers if self.vision_layers is not None else "every_other",
+            router=self.router,
             share_router=self.share_router,
         )
 
