@@ -198,11 +198,21 @@ class PartStats:
         return out
 
 
+def _row_major_grid(model: nn.Module, part: str) -> bool:
+    """Whether the routable tokens of a part are one image's patches in row-major order: a ViT
+    tower (per image or tile), or plain LLaVA's language part (anyres models add tiles and newline
+    tokens, video models frames and pooling, so only relative positions are reported there)."""
+    return part == "vision" or type(model).__name__ == "LlavaForConditionalGeneration"
+
+
 def routing_stats(model: nn.Module, batches: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
     """{part: statistics} of the model's current routing over `batches` (model inputs)."""
     parts = {p.name: p for p in find_parts(model)}
     stats = {
-        name: PartStats(layers=sorted(p.capacities), capacities=dict(p.capacities), routable_types=p.config.routable)
+        name: PartStats(
+            layers=sorted(p.capacities), capacities=dict(p.capacities), routable_types=p.config.routable,
+            grid_side=None if _row_major_grid(model, name) else 0,
+        )
         for name, p in parts.items()
     }
     device = next(model.parameters()).device
@@ -257,30 +267,39 @@ def verdict(
             gap = out["gaps"].get(other)
             if gap is None:
                 continue
-            sign = "better" if gap["accuracy"] > 0 else "worse" if gap["accuracy"] < 0 else "no different"
-            noise = " (within noise)" if abs(gap["accuracy"]) <= gap["noise_2se"] else ""
+            noisy = abs(gap["accuracy"]) <= gap["noise_2se"]
+            if noisy:
+                sign = f"not distinguishable from {other} routing by accuracy on {n} samples"
+            else:
+                sign = f"{'better' if gap['accuracy'] > 0 else 'worse'} than {other} routing"
             lines.append(
-                f"learned vs {other}: {100 * gap['accuracy']:+.1f} accuracy points{noise}, answer loss "
-                f"{-gap['answer_loss']:+.3f}; the learned router is {sign} than {other} routing"
+                f"learned vs {other}: {100 * gap['accuracy']:+.1f} accuracy points{' (within noise)' if noisy else ''}, "
+                f"answer loss {-gap['answer_loss']:+.3f}; the learned router is {sign}"
             )
         base = out["gaps"].get("random")
         att = results.get("attention")
-        if base is not None and att is not None and "random" in results:
-            span = base["accuracy"]
-            if abs(span) > 1e-12:
-                share = (att["accuracy"] - results["random"]["accuracy"]) / span
+        if base is not None and att is not None:
+            if base["accuracy"] > base["noise_2se"]:
+                share = (att["accuracy"] - results["random"]["accuracy"]) / base["accuracy"]
                 out["attention_recovers"] = share
                 lines.append(
                     f"the training-free attention router recovers {100 * share:.0f}% of the learned router's "
                     "accuracy advantage over random"
                 )
+            else:
+                lines.append(
+                    f"the attention router scores {100 * att['accuracy']:.1f}% accuracy (learned "
+                    f"{100 * learned['accuracy']:.1f}%); with no learned advantage over random beyond noise "
+                    "there is no share to recover"
+                )
         inv = out["gaps"].get("inverted")
         if inv is not None:
+            hurts = inv["accuracy"] > inv["noise_2se"]
             lines.append(
-                f"inverting the learned router costs {100 * inv['accuracy']:.1f} accuracy points and "
-                f"{inv['answer_loss']:+.3f} answer loss: "
-                + ("its ranking carries information" if inv["accuracy"] > inv["noise_2se"] or inv["answer_loss"] > 0.01
-                   else "its ranking barely matters on this set")
+                f"inverted routing is {100 * inv['accuracy']:+.1f} accuracy points and {-inv['answer_loss']:+.3f} "
+                "answer loss away from learned: "
+                + ("the learned ranking carries information" if hurts
+                   else "the learned ranking is not shown to matter on this set")
             )
     lang = routing.get("learned", {}).get("language") or next(iter(routing.get("learned", {}).values()), None)
     if lang is not None and lang["jaccard"]["mean_off_diagonal"] is not None:
