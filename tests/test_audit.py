@@ -103,11 +103,11 @@ def test_routing_stats_per_router(converted):
 
 def test_verdict_gaps_and_text():
     results = {
-        "learned": {"accuracy": 0.8, "answer_loss": 0.5, "samples": 400},
-        "random": {"accuracy": 0.6, "answer_loss": 0.9, "samples": 400},
-        "stride": {"accuracy": 0.79, "answer_loss": 0.52, "samples": 400},
-        "inverted": {"accuracy": 0.3, "answer_loss": 1.5, "samples": 400},
-        "attention": {"accuracy": 0.7, "answer_loss": 0.7, "samples": 400},
+        "learned": {"accuracy": 0.8, "answer_loss": 0.5, "num_samples": 400},
+        "random": {"accuracy": 0.6, "answer_loss": 0.9, "num_samples": 400},
+        "stride": {"accuracy": 0.79, "answer_loss": 0.52, "num_samples": 400},
+        "inverted": {"accuracy": 0.3, "answer_loss": 1.5, "num_samples": 400},
+        "attention": {"accuracy": 0.7, "answer_loss": 0.7, "num_samples": 400},
     }
     routing = {"learned": {"language": {"jaccard": {"mean_off_diagonal": 0.95, "independent_baseline": 1 / 3}}}}
     v = audit.verdict(results, routing)

@@ -252,7 +252,7 @@ def verdict(
             "tokens, so 'learned' is a positional rule here"
         )
     if learned is not None:
-        n = int(learned.get("samples") or 0)
+        n = int(learned.get("num_samples") or 0)
         for other in ("random", "stride", "inverted", "attention"):
             if other not in results:
                 continue

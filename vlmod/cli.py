@@ -375,6 +375,19 @@ def add_finetune_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
     return add_finetune_arguments(p)
 
 
+def add_eval_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
+    """`vlmod eval`: accuracy against compute, optionally side by side with a dense model."""
+    from vlmod.eval import add_evaluate_arguments
+
+    p = subparsers.add_parser(
+        "eval",
+        help="evaluate accuracy, answer loss, processed fraction, FLOPs and latency on LLaVA-format QA data",
+        description="Evaluate a (converted) LLaVA model; --compare puts a second model (the dense original) "
+        "side by side in one table.",
+    )
+    return add_evaluate_arguments(p)
+
+
 def add_tiny_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
     """`vlmod tiny`: a random tiny LLaVA saved like a hub checkpoint (training from scratch, tests)."""
     from vlmod.tiny import add_tiny_arguments
@@ -450,8 +463,8 @@ def add_audit_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
 
 # Top-level subcommands.
 COMMANDS: list[Callable[[SubParsers], argparse.ArgumentParser]] = [
-    add_convert_parser, add_rank_parser, add_bench_parser, add_finetune_parser, add_tiny_parser,
-    add_demo_parser, add_audit_parser,
+    add_convert_parser, add_rank_parser, add_bench_parser, add_finetune_parser, add_eval_parser,
+    add_audit_parser, add_demo_parser, add_tiny_parser,
 ]
 
 

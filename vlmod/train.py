@@ -320,17 +320,11 @@ def load_dataset(path: str, processor: Any, cfg: TrainConfig) -> Any:
 
 def routed_fraction(trace: Any, parts: Sequence[Any]) -> float | None:
     """Fraction of routable tokens that ran their MoD layers in a traced forward (None: none)."""
-    done = total = 0.0
-    for part in parts:
-        routable = torch.tensor([int(t) for t in part.config.routable_types])
-        types = trace.part_token_types(part.name)
-        mask = torch.isin(types, routable.to(types.device))
-        n = float(mask.sum())
-        for (name, _), processed in trace.processed.items():
-            if name == part.name and n:
-                done += float((processed & mask).sum())
-                total += n
-    return done / total if total else None
+    from vlmod.eval import routable_fractions
+
+    counts = routable_fractions(trace, parts).values()
+    total = sum(t for _, t in counts)
+    return sum(d for d, _ in counts) / total if total else None
 
 
 @torch.no_grad()

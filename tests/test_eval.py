@@ -1,0 +1,135 @@
+"""Evaluation: scoring, answer loss, routing and FLOPs figures, the command and its errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import vlmod
+from vlmod import tiny
+from vlmod.cli import main as cli_main
+from vlmod.data import LlavaDataset
+from vlmod.data.synthetic import generate
+from vlmod.eval import answer_losses, evaluate, format_comparison, is_correct
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("eval")
+    tiny.save("llava", root / "dense", image_size=32, patch_size=8)
+    model = vlmod.load_pretrained(root / "dense")
+    vlmod.apply_mod(model, vlmod.MoDConfig(capacity=0.5, layers=[1, 2], routable=("image",)))
+    model.save_pretrained(root / "mod")
+    from transformers import AutoProcessor
+
+    AutoProcessor.from_pretrained(root / "dense").save_pretrained(root / "mod")
+    generate(root / "data", 0, 8, image_size=32)
+    return root
+
+
+def _answers(words_by_row: list[str]):
+    """A `generate` that answers the rows of each batch with the given words, in order."""
+    calls = iter(words_by_row)
+    tok = tiny.tokenizer()
+
+    def fake(model, inputs, max_new_tokens):
+        rows = [tok.convert_tokens_to_ids(next(calls)) for _ in range(inputs["input_ids"].shape[0])]
+        return torch.tensor(rows).unsqueeze(1)
+
+    return fake
+
+
+def test_accuracy_counts_exactly_the_right_answers(workdir: Path) -> None:
+    model, processor = vlmod.load_pretrained(workdir / "dense"), tiny.build("llava", image_size=32)[1]
+    ds = LlavaDataset(workdir / "data" / "val.json", processor)
+    references = [r.conversations[-1]["value"] for r in ds.records]
+    answers = [ref if i % 4 != 3 else "zero" for i, ref in enumerate(references)]
+    report = evaluate(model, processor, ds, batch_size=3, progress=False, generate=_answers(answers))
+    assert [s.correct for s in report.samples] == [i % 4 != 3 for i in range(8)]
+    assert report.accuracy == pytest.approx(6 / 8)
+    types = [r.raw["meta"]["type"] for r in ds.records]
+    for qtype, acc in report.accuracy_by_type.items():
+        rows = [i for i, t in enumerate(types) if t == qtype]
+        assert acc == pytest.approx(sum(i % 4 != 3 for i in rows) / len(rows))
+    assert report.processed_fraction == {} and report.flops_per_sample == report.dense_flops_per_sample
+
+
+@pytest.mark.parametrize(
+    ("prediction", "reference", "correct"),
+    [
+        ("The Circle.", "circle", True), ("circle", "a circle", True), ("square", "circle", False),
+        ("B", "B", True), ("(b) because it is red", "B", True), ("B.", "(B)", True),
+        ("A", "B", False), ("Blue", "B", False), ("option C", "C", True),
+    ],
+)
+def test_is_correct(prediction: str, reference: str, correct: bool) -> None:
+    assert is_correct(prediction, reference) is correct
+
+
+def test_answer_loss_is_the_mean_nll_of_answer_tokens() -> None:
+    logits = torch.zeros(1, 4, 5)
+    logits[0, 1, 2] = 3.0  # predicts token 2 at position 2
+    labels = torch.tensor([[-100, -100, 2, 4]])
+    expected = (-torch.log_softmax(logits[0, 1], -1)[2] - torch.log_softmax(logits[0, 2], -1)[4]) / 2
+    torch.testing.assert_close(answer_losses(logits, labels), expected.reshape(1))
+
+
+def test_mod_model_reports_capacity_and_fewer_flops(workdir: Path) -> None:
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(workdir / "mod")
+    mod = evaluate(vlmod.load_pretrained(workdir / "mod"), processor, workdir / "data" / "val.json",
+                   batch_size=4, max_new_tokens=3, progress=False, name="mod")
+    dense = evaluate(vlmod.load_pretrained(workdir / "dense"), processor, workdir / "data" / "val.json",
+                     batch_size=4, max_new_tokens=3, progress=False, name="dense")
+    assert set(mod.processed_fraction) == {"language.1", "language.2"}
+    assert all(v == pytest.approx(0.5) for v in mod.processed_fraction.values())  # 16 image tokens, k = 8
+    assert mod.flops_per_sample < mod.dense_flops_per_sample == pytest.approx(dense.flops_per_sample)
+    assert mod.latency_s > 0 and len(mod.samples) == 8
+    table = format_comparison([mod, dense])
+    assert "mod" in table and "dense" in table and "50.0%" in table
+
+
+def test_cli_compare_writes_json(workdir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "report.json"
+    code = cli_main([
+        "eval", "--model", str(workdir / "mod"), "--compare", str(workdir / "dense"), "--data",
+        str(workdir / "data" / "val.json"), "--limit", "4", "--max-new-tokens", "2", "--json", str(out), "--no-progress",
+    ])
+    assert code == 0
+    table = capsys.readouterr().out
+    assert "mod" in table and "dense" in table and "accuracy" in table
+    reports = json.loads(out.read_text())["reports"]
+    assert [r["name"] for r in reports] == ["mod", "dense"] and reports[0]["num_samples"] == 4
+
+
+def test_corrupt_image_is_skipped_and_counted(workdir: Path, tmp_path: Path) -> None:
+    records = json.loads((workdir / "data" / "val.json").read_text())[:3]
+    for r in records:
+        r["image"] = str(workdir / "data" / r["image"])
+    (tmp_path / "broken.png").write_bytes(b"not a png")
+    records[1]["image"] = str(tmp_path / "broken.png")
+    (tmp_path / "val.json").write_text(json.dumps(records))
+    processor = tiny.build("llava", image_size=32)[1]
+    with pytest.warns(UserWarning, match="skipped 1 of 3"):
+        report = evaluate(vlmod.load_pretrained(workdir / "dense"), processor, tmp_path / "val.json",
+                          max_new_tokens=2, progress=False)
+    assert report.skipped == 1 and len(report.samples) == 2
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model", "/nonexistent/model"], "does not exist"),
+        (["--data", "/nonexistent/val.json"], "data file"),
+    ],
+)
+def test_bad_input_is_one_error_line(workdir: Path, capsys: pytest.CaptureFixture, args: list[str], message: str) -> None:
+    base = {"--model": str(workdir / "mod"), "--data": str(workdir / "data" / "val.json")}
+    base.update(dict(zip(args[::2], args[1::2], strict=True)))
+    assert cli_main(["eval", *[x for kv in base.items() for x in kv], "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and message in err

@@ -1,0 +1,345 @@
+"""Accuracy against compute: evaluate a (converted) LLaVA model on LLaVA-format QA data.
+
+Per sample: the greedy answer to the record's last question, scored by normalised exact match
+(or, when the reference is an option letter such as "B" or "(B)", by the first option letter of
+the answer), and the answer loss (teacher-forced mean NLL of the reference answer tokens). Per
+model: accuracy (overall and by the record's `meta.type`), the mean fraction of routable tokens
+each MoD layer processed, prefill FLOPs per sample against the same model run dense, and
+generation latency. `format_comparison` puts several models side by side, dense and MoD.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from vlmod.bench import InputError, format_table, generation_flops, write_json
+from vlmod.data.collate import IGNORE_INDEX, normalize_answer
+
+_OPTION = re.compile(r"^\(?([A-Ea-e])\)?[.:)]?$")
+_LEADING_OPTION = re.compile(r"^\s*(?:option\s+|answer\s*:?\s*)?\(?([A-Ea-e])(?:[\s.:)]|$)", re.IGNORECASE)
+
+
+class EvalError(InputError):
+    """Evaluation was asked for something that cannot run (missing model or data, not LLaVA)."""
+
+
+@dataclass
+class SampleResult:
+    id: str
+    prediction: str
+    reference: str
+    correct: bool
+    answer_loss: float
+    question_type: str | None = None
+
+
+@dataclass
+class EvalReport:
+    """One model on one eval set (see the module doc for each number)."""
+
+    name: str
+    accuracy: float
+    samples: list[SampleResult]
+    answer_loss: float
+    accuracy_by_type: dict[str, float] = field(default_factory=dict)
+    processed_fraction: dict[str, float] = field(default_factory=dict)
+    flops_per_sample: float = 0.0
+    dense_flops_per_sample: float = 0.0
+    latency_s: float = 0.0
+    skipped: int = 0
+
+    @property
+    def mean_processed_fraction(self) -> float:
+        """Mean over MoD layers (1.0 for a dense model)."""
+        values = list(self.processed_fraction.values())
+        return sum(values) / len(values) if values else 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["num_samples"] = len(self.samples)
+        d["mean_processed_fraction"] = self.mean_processed_fraction
+        return d
+
+
+def is_correct(prediction: str, reference: str) -> bool:
+    """Option-letter match for multiple choice references, normalised exact match otherwise."""
+    option = _OPTION.match(reference.strip())
+    if option:
+        found = _LEADING_OPTION.match(prediction)
+        return found is not None and found.group(1).upper() == option.group(1).upper()
+    return normalize_answer(prediction) == normalize_answer(reference)
+
+
+def answer_losses(logits: Tensor, labels: Tensor) -> Tensor:
+    """Mean next-token NLL over each row's answer tokens (labels != IGNORE_INDEX) -> [B]."""
+    logits, labels = logits[:, :-1].float(), labels[:, 1:]
+    nll = F.cross_entropy(logits.transpose(1, 2), labels.clamp_min(0), reduction="none")
+    mask = labels != IGNORE_INDEX
+    return (nll * mask).sum(1) / mask.sum(1).clamp_min(1)
+
+
+def routable_fractions(trace: Any, parts: Sequence[Any]) -> dict[str, tuple[float, float]]:
+    """{"part.layer": (routable tokens processed, routable tokens)} of a traced forward."""
+    routable = {p.name: torch.tensor([int(t) for t in p.config.routable_types]) for p in parts}
+    out: dict[str, tuple[float, float]] = {}
+    for (part, layer), processed in trace.processed.items():
+        types = trace.part_token_types(part)
+        mask = torch.isin(types, routable[part].to(types.device))
+        out[f"{part}.{layer}"] = (float((processed & mask).sum()), float(mask.sum()))
+    return out
+
+
+Generate = Callable[[nn.Module, dict[str, Tensor], int], Tensor]
+
+
+def greedy_generate(model: nn.Module, inputs: dict[str, Tensor], max_new_tokens: int) -> Tensor:
+    """The new tokens of a greedy `generate` [B, T]."""
+    out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    return out[:, inputs["input_ids"].shape[1]:]
+
+
+def _dataset(data: Any, processor: Any, image_root: str | Path | None, strict: bool) -> Any:
+    from vlmod.data import DataError, LlavaDataset
+
+    if isinstance(data, LlavaDataset):
+        return data
+    path = Path(data).expanduser()
+    if not path.is_file():
+        raise EvalError(f"data file {data} does not exist")
+    try:
+        return LlavaDataset(path, processor, image_root, strict=strict)
+    except DataError as e:
+        raise EvalError(str(e)) from None
+
+
+def _to(batch: dict[str, Tensor], device: torch.device) -> dict[str, Tensor]:
+    return {k: v.to(device) if isinstance(v, Tensor) else v for k, v in batch.items()}
+
+
+@torch.inference_mode()
+def evaluate(
+    model: nn.Module,
+    processor: Any,
+    data: Any,
+    *,
+    batch_size: int = 8,
+    max_new_tokens: int = 16,
+    limit: int | None = None,
+    progress: bool = True,
+    name: str = "model",
+    image_root: str | Path | None = None,
+    strict: bool = False,
+    generate: Generate = greedy_generate,
+) -> EvalReport:
+    """Evaluate `model` on `data` (a LlavaDataset or a LLaVA-format JSON path); see the module doc.
+
+    `generate(model, inputs, max_new_tokens) -> new token ids` is the decoding step (greedy by
+    default), replaceable for other decoding or for tests."""
+    from tqdm.auto import tqdm
+
+    from vlmod.routing.trace import find_parts, trace_routing
+
+    ds = _dataset(data, processor, image_root, strict)
+    tokenizer = getattr(processor, "tokenizer", processor)
+    model.eval()
+    device = next(model.parameters()).device
+    parts = find_parts(model)
+    n = len(ds.records) if limit is None else min(limit, len(ds.records))
+    samples: list[SampleResult] = []
+    routed: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    flops = dense_flops = seconds = 0.0
+    bar = tqdm(total=n, desc=f"eval {name}", unit="sample", disable=not progress)
+    for start in range(0, n, batch_size):
+        records = ds.records[start:min(start + batch_size, n)]
+        # The answer loss and the routing statistics: one teacher-forced pass.
+        batch = _to(ds.collate([ds.encode(r) for r in records]), device)
+        if parts:
+            with trace_routing(model) as trace:
+                out = model(**batch)
+            for key, (done, total) in routable_fractions(trace, parts).items():
+                routed[key][0] += done
+                routed[key][1] += total
+        else:
+            out = model(**batch)
+        losses = answer_losses(out.logits, batch["labels"]).tolist()
+        # Generation from the prompt, timed, and its prefill FLOPs.
+        prompts = [ds.prompt_inputs(r) for r in records]
+        inputs = _to(ds.collate([p.inputs for p in prompts]), device)
+        began = time.perf_counter()
+        if parts:
+            with trace_routing(model) as gen_trace:
+                new_tokens = generate(model, inputs, max_new_tokens)
+            prefill = _PrefillTrace(gen_trace)
+        else:
+            new_tokens, prefill = generate(model, inputs, max_new_tokens), None
+        seconds += time.perf_counter() - began
+        rows = len(records)
+        flops += generation_flops(model, inputs, prefill)["total"] * rows
+        dense_flops += generation_flops(model, inputs, None)["total"] * rows
+        predictions = tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
+        for record, prompt, prediction, loss in zip(records, prompts, predictions, losses, strict=True):
+            meta = record.raw.get("meta") if isinstance(record.raw, dict) else None
+            qtype = meta.get("type") if isinstance(meta, dict) else None
+            prediction = prediction.strip()
+            samples.append(SampleResult(
+                id=record.id, prediction=prediction, reference=prompt.answer,
+                correct=is_correct(prediction, prompt.answer), answer_loss=loss, question_type=qtype,
+            ))
+        bar.update(rows)
+        bar.set_postfix(acc=f"{sum(s.correct for s in samples) / len(samples):.3f}")
+    bar.close()
+    if not samples:
+        raise EvalError(f"no sample to evaluate in {data}")
+    by_type: dict[str, list[bool]] = defaultdict(list)
+    for s in samples:
+        if s.question_type is not None:
+            by_type[s.question_type].append(s.correct)
+    return EvalReport(
+        name=name,
+        accuracy=sum(s.correct for s in samples) / len(samples),
+        samples=samples,
+        answer_loss=sum(s.answer_loss for s in samples) / len(samples),
+        accuracy_by_type={t: sum(v) / len(v) for t, v in sorted(by_type.items())},
+        processed_fraction={k: done / total for k, (done, total) in routed.items() if total},
+        flops_per_sample=flops / len(samples),
+        dense_flops_per_sample=dense_flops / len(samples),
+        latency_s=seconds / len(samples),
+        skipped=len(ds.skipped),
+    )
+
+
+class _PrefillTrace:
+    """The first step (the prefill) of a `generate` trace, as `generation_flops` reads it."""
+
+    def __init__(self, trace: Any) -> None:
+        self.processed = {k: v[0] for k, v in trace.steps[0].items()} if trace.steps else {}
+
+
+def format_comparison(reports: Sequence[EvalReport]) -> str:
+    """Models side by side: accuracy (overall, by type), answer loss, compute, latency."""
+    types = sorted({t for r in reports for t in r.accuracy_by_type})
+    rows = [
+        ["accuracy", *(f"{100 * r.accuracy:.1f}%" for r in reports)],
+        *([f"  {t}", *(_pct(r.accuracy_by_type.get(t)) for r in reports)] for t in types),
+        ["answer loss", *(f"{r.answer_loss:.4f}" for r in reports)],
+        ["routable tokens processed", *(f"{100 * r.mean_processed_fraction:.1f}%" for r in reports)],
+        ["GFLOPs / sample (prefill)", *(f"{r.flops_per_sample / 1e9:.4g}" for r in reports)],
+        ["  vs dense", *(f"{r.flops_per_sample / r.dense_flops_per_sample:.3f}x" if r.dense_flops_per_sample else "-" for r in reports)],
+        ["latency / sample", *(f"{1e3 * r.latency_s:.1f} ms" for r in reports)],
+        ["samples (skipped)", *(f"{len(r.samples)} ({r.skipped})" for r in reports)],
+    ]
+    return format_table(["", *(r.name for r in reports)], rows)
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None or math.isnan(value) else f"{100 * value:.1f}%"
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def load_model(path: str, device: str = "cpu", dtype: str = "float32") -> tuple[nn.Module, Any]:
+    """A LLaVA checkpoint (plain or converted) and its processor, with clear errors."""
+    from transformers import AutoProcessor
+
+    from vlmod.hf import load_config, load_pretrained, model_class
+    from vlmod.plugins import llava
+
+    try:
+        cls = model_class(load_config(path))
+    except (FileNotFoundError, TypeError) as e:
+        raise EvalError(str(e)) from None
+    if not any(issubclass(cls, c) for c in llava._classes()):
+        raise EvalError(f"{path} is a {cls.__name__} checkpoint; evaluation supports LLaVA models ({', '.join(llava.FAMILIES)})")
+    try:
+        processor = AutoProcessor.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise EvalError(f"could not load the processor of {path}: {str(e).splitlines()[0]}") from None
+    model = load_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
+    return model, processor
+
+
+def add_evaluate_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Flags of `scripts/evaluate.py` and `vlmod eval`."""
+    from vlmod.argtypes import positive_int
+
+    parser.add_argument("--model", required=True, help="checkpoint directory or hub id (dense or converted)")
+    parser.add_argument("--data", required=True, help="LLaVA-format JSON with the reference answers")
+    parser.add_argument("--image-root", help="folder image/video paths are relative to (default: the JSON's folder)")
+    parser.add_argument("--compare", help="a second model (e.g. the dense original) evaluated side by side")
+    parser.add_argument("--name", help="label of --model in the table (default: its folder name)")
+    parser.add_argument("--compare-name", help="label of --compare (default: its folder name)")
+    parser.add_argument("--batch-size", type=positive_int, default=8)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=16)
+    parser.add_argument("--limit", type=positive_int, help="evaluate the first N records only")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--strict", action="store_true", help="a missing or corrupt image is an error, not a skip")
+    parser.add_argument("--json", help="write the reports (every sample included) to this JSON file")
+    parser.add_argument("--no-progress", action="store_true")
+    parser.set_defaults(run=run_evaluate)
+    return parser
+
+
+def run_evaluate(args: argparse.Namespace) -> int:
+    """Evaluate --model (and --compare), print the table, write --json."""
+    if not Path(args.data).expanduser().is_file():
+        raise EvalError(f"data file {args.data} does not exist")
+    reports = []
+    for path, label in ((args.model, args.name), (args.compare, args.compare_name)):
+        if path is None:
+            continue
+        model, processor = load_model(path, args.device, args.dtype)
+        reports.append(evaluate(
+            model, processor, args.data, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+            limit=args.limit, progress=not args.no_progress, name=label or Path(path).name or path,
+            image_root=args.image_root, strict=args.strict,
+        ))
+        del model
+    print(format_comparison(reports))
+    if args.json:
+        write_json(args.json, {"data": str(args.data), "reports": [r.to_dict() for r in reports]})
+        print(f"wrote {args.json}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from vlmod.cli import EXIT_USAGE
+
+    parser = argparse.ArgumentParser(prog="evaluate.py", description="Accuracy against compute of LLaVA models, side by side.")
+    add_evaluate_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except InputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+__all__ = [
+    "EvalError",
+    "EvalReport",
+    "SampleResult",
+    "add_evaluate_arguments",
+    "answer_losses",
+    "evaluate",
+    "format_comparison",
+    "greedy_generate",
+    "is_correct",
+    "load_model",
+    "routable_fractions",
+    "run_evaluate",
+]
