@@ -1,0 +1,55 @@
+#!/usr/bin/env python
+"""Build the demo's embedded default model: the synthetic recipe's fine-tuned MoD model and its
+dense original, copied into vlmod/demo/assets/{model,dense} (what `vlmod demo` serves with no
+--model).
+
+    python scripts/build_demo_model.py                       # runs the recipe into runs/synthetic first
+    python scripts/build_demo_model.py --from runs/synthetic # reuses a finished recipe run
+
+The recipe is deterministic on a given machine, so this reproduces the shipped checkpoint (up to
+floating-point differences between CPUs).
+"""
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+from vlmod.demo.app import DEFAULT_DENSE_DIR, DEFAULT_MODEL_DIR
+from vlmod.recipe import RecipeSettings, run_recipe
+
+KEEP = {"config.json", "generation_config.json", "model.safetensors", "processor_config.json",
+        "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"}
+
+
+def install(source: Path, target: Path) -> None:
+    """Copy a saved model's files flat into `target`, via a temporary folder."""
+    if not (source / "model.safetensors").is_file():
+        raise SystemExit(f"error: {source} holds no model.safetensors: is it a finished recipe run?")
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for f in source.iterdir():
+        if f.name in KEEP:
+            shutil.copy2(f, tmp / f.name)
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="build_demo_model.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--from", dest="run", help="a finished recipe run (default: run the recipe into --out)")
+    parser.add_argument("--out", default="runs/synthetic", help="where to run the recipe (default: runs/synthetic)")
+    args = parser.parse_args(argv)
+    run = Path(args.run) if args.run else Path(args.out)
+    if not args.run:
+        run_recipe(run, RecipeSettings())
+    install(run / "mod" / "model", DEFAULT_MODEL_DIR)
+    install(run / "dense" / "model", DEFAULT_DENSE_DIR)
+    size = sum(f.stat().st_size for d in (DEFAULT_MODEL_DIR, DEFAULT_DENSE_DIR) for f in d.iterdir())
+    print(f"installed the demo model ({size / 2**20:.1f} MiB) into {DEFAULT_MODEL_DIR.parent}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
