@@ -133,3 +133,79 @@ def test_bad_input_is_one_error_line(workdir: Path, capsys: pytest.CaptureFixtur
     assert cli_main(["eval", *[x for kv in base.items() for x in kv], "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and message in err
+
+
+def _records_with_broken_image(workdir: Path, tmp_path: Path, broken: int, n: int = 3) -> Path:
+    records = json.loads((workdir / "data" / "val.json").read_text())[:n]
+    for r in records:
+        r["image"] = str(workdir / "data" / r["image"])
+    (tmp_path / "broken.png").write_bytes(b"not a png")
+    records[broken]["image"] = str(tmp_path / "broken.png")
+    path = tmp_path / "val.json"
+    path.write_text(json.dumps(records))
+    return path
+
+
+def test_limit_reads_only_the_first_records(workdir: Path, tmp_path: Path, recwarn: pytest.WarningsRecorder) -> None:
+    """A broken image past --limit is never opened: no warning, nothing skipped."""
+    path = _records_with_broken_image(workdir, tmp_path, broken=2)
+    processor = tiny.build("llava", image_size=32)[1]
+    report = evaluate(vlmod.load_pretrained(workdir / "dense"), processor, path, limit=2, max_new_tokens=2,
+                      progress=False)
+    assert len(report.samples) == 2 and report.skipped == 0
+    assert not [w for w in recwarn if "skipped" in str(w.message)]
+
+
+def test_image_broken_after_loading_is_skipped_or_strict_error(workdir: Path, tmp_path: Path) -> None:
+    from vlmod.eval import EvalError
+
+    path = _records_with_broken_image(workdir, tmp_path, broken=0)
+    records = json.loads(path.read_text())
+    good = tmp_path / "good.png"
+    good.write_bytes((workdir / "data" / json.loads((workdir / "data" / "val.json").read_text())[0]["image"]).read_bytes())
+    records[0]["image"] = str(good)
+    path.write_text(json.dumps(records))
+    processor = tiny.build("llava", image_size=32)[1]
+    model = vlmod.load_pretrained(workdir / "dense")
+    ds = LlavaDataset(path, processor)
+    good.write_bytes(b"broken since")  # after the dataset checked it
+    report = evaluate(model, processor, ds, max_new_tokens=2, progress=False)
+    assert report.skipped == 1 and [s.id for s in report.samples] == [r["id"] for r in records[1:]]
+    with pytest.raises(EvalError, match="cannot load"):
+        evaluate(model, processor, ds, max_new_tokens=2, progress=False, strict=True)
+
+
+def test_prompts_are_left_padded_whatever_the_tokenizer_says(workdir: Path) -> None:
+    processor = tiny.build("llava", image_size=32)[1]
+    processor.tokenizer.padding_side = "right"
+    model = vlmod.load_pretrained(workdir / "dense")
+    data = workdir / "data" / "val.json"
+    batched = evaluate(model, processor, data, batch_size=8, max_new_tokens=3, progress=False)
+    single = evaluate(model, processor, data, batch_size=1, max_new_tokens=3, progress=False)
+    assert [s.prediction for s in batched.samples] == [s.prediction for s in single.samples]
+
+
+def test_replaced_generate_still_counts_mod_flops(workdir: Path) -> None:
+    """A decoding step that never runs the model must not make a MoD model look dense."""
+    processor = tiny.build("llava", image_size=32)[1]
+    model = vlmod.load_pretrained(workdir / "mod")
+    data = workdir / "data" / "val.json"
+    real = evaluate(model, processor, data, batch_size=4, max_new_tokens=2, progress=False)
+    fake = evaluate(model, processor, data, batch_size=4, progress=False, generate=_answers(["zero"] * 8))
+    assert fake.flops_per_sample == pytest.approx(real.flops_per_sample)
+    assert fake.flops_per_sample < fake.dense_flops_per_sample
+
+
+def test_bad_compare_fails_before_any_model_loads(workdir: Path, capsys: pytest.CaptureFixture,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    import vlmod.eval as ev
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model was loaded before every checkpoint was checked")
+
+    monkeypatch.setattr(ev, "load_model", no_load)
+    argv = ["eval", "--model", str(workdir / "mod"), "--compare", "/nonexistent/dense", "--data",
+            str(workdir / "data" / "val.json"), "--no-progress"]
+    assert cli_main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("error:") and "does not exist" in captured.err and captured.out == ""

@@ -85,10 +85,14 @@ def is_correct(prediction: str, reference: str) -> bool:
 
 def answer_losses(logits: Tensor, labels: Tensor) -> Tensor:
     """Mean next-token NLL over each row's answer tokens (labels != IGNORE_INDEX) -> [B]."""
-    logits, labels = logits[:, :-1].float(), labels[:, 1:]
-    nll = F.cross_entropy(logits.transpose(1, 2), labels.clamp_min(0), reduction="none")
-    mask = labels != IGNORE_INDEX
-    return (nll * mask).sum(1) / mask.sum(1).clamp_min(1)
+    target = labels[:, 1:]
+    mask = target != IGNORE_INDEX
+    # Only answer positions are upcast: float32 logits of a whole batch are B * L * vocab * 4 bytes
+    # (tens of GB for anyres images and a 152k vocabulary).
+    nll = F.cross_entropy(logits[:, :-1][mask].float(), target[mask], reduction="none")
+    total = torch.zeros(labels.shape[0], dtype=nll.dtype, device=nll.device)
+    total.index_add_(0, mask.nonzero()[:, 0], nll)
+    return total / mask.sum(1).clamp_min(1)
 
 
 def routable_fractions(trace: Any, parts: Sequence[Any]) -> dict[str, tuple[float, float]]:
@@ -111,8 +115,10 @@ def greedy_generate(model: nn.Module, inputs: dict[str, Tensor], max_new_tokens:
     return out[:, inputs["input_ids"].shape[1]:]
 
 
-def _dataset(data: Any, processor: Any, image_root: str | Path | None, strict: bool) -> Any:
-    from vlmod.data import DataError, LlavaDataset
+def _dataset(data: Any, processor: Any, image_root: str | Path | None, strict: bool, limit: int | None) -> Any:
+    """The dataset to evaluate. From a path with `limit`, only the first `limit` records are read
+    and their images checked: a short run on a large set does not decode every image first."""
+    from vlmod.data import DataError, LlavaDataset, load_records
 
     if isinstance(data, LlavaDataset):
         return data
@@ -120,9 +126,38 @@ def _dataset(data: Any, processor: Any, image_root: str | Path | None, strict: b
     if not path.is_file():
         raise EvalError(f"data file {data} does not exist")
     try:
-        return LlavaDataset(path, processor, image_root, strict=strict)
+        if limit is None:
+            return LlavaDataset(path, processor, image_root, strict=strict)
+        records = load_records(path, image_root)[:limit]
+        return LlavaDataset(records, processor, image_root if image_root is not None else path.parent, strict=strict)
     except DataError as e:
         raise EvalError(str(e)) from None
+
+
+def _encode(ds: Any, records: Sequence[Any], strict: bool) -> tuple[list[Any], list[Any], list[Any], list[str]]:
+    """(records, training items, prompts, ids of records whose media failed now). The dataset
+    checked the media when it was built; a file that breaks later is skipped the same way, or with
+    `strict` is an error."""
+    from vlmod.data import DataError
+
+    kept, items, prompts, failed = [], [], [], []
+    for record in records:
+        try:
+            item, prompt = ds.encode(record), ds.prompt_inputs(record)
+        except (DataError, OSError) as e:
+            if strict:
+                raise EvalError(f"record {record.id!r}: cannot load its image/video: {e}") from None
+            failed.append(record.id)
+            continue
+        kept.append(record)
+        items.append(item)
+        prompts.append(prompt)
+    return kept, items, prompts, failed
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _to(batch: dict[str, Tensor], device: torch.device) -> dict[str, Tensor]:
@@ -150,9 +185,10 @@ def evaluate(
     default), replaceable for other decoding or for tests."""
     from tqdm.auto import tqdm
 
+    from vlmod.data import collate
     from vlmod.routing.trace import find_parts, trace_routing
 
-    ds = _dataset(data, processor, image_root, strict)
+    ds = _dataset(data, processor, image_root, strict, limit)
     tokenizer = getattr(processor, "tokenizer", processor)
     model.eval()
     device = next(model.parameters()).device
@@ -161,11 +197,17 @@ def evaluate(
     samples: list[SampleResult] = []
     routed: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
     flops = dense_flops = seconds = 0.0
+    failed: list[str] = []
+    warmed_up = False
     bar = tqdm(total=n, desc=f"eval {name}", unit="sample", disable=not progress)
     for start in range(0, n, batch_size):
-        records = ds.records[start:min(start + batch_size, n)]
+        records, items, prompts, lost = _encode(ds, ds.records[start:min(start + batch_size, n)], strict)
+        failed += lost
+        bar.update(len(lost))
+        if not records:
+            continue
         # The answer loss and the routing statistics: one teacher-forced pass.
-        batch = _to(ds.collate([ds.encode(r) for r in records]), device)
+        batch = _to(ds.collate(items), device)
         if parts:
             with trace_routing(model) as trace:
                 out = model(**batch)
@@ -175,16 +217,26 @@ def evaluate(
         else:
             out = model(**batch)
         losses = answer_losses(out.logits, batch["labels"]).tolist()
-        # Generation from the prompt, timed, and its prefill FLOPs.
-        prompts = [ds.prompt_inputs(r) for r in records]
-        inputs = _to(ds.collate([p.inputs for p in prompts]), device)
+        del out, batch
+        # Generation from the prompt, timed, and its prefill FLOPs. Prompts are left-padded
+        # whatever the tokenizer's padding side: right padding would put pad tokens between a
+        # prompt and its answer.
+        inputs = _to(collate([p.inputs for p in prompts], ds.pad_token_id, "left"), device)
+        if not warmed_up:
+            # Untimed: kernel selection and allocator start-up would otherwise land on the first
+            # batch of whichever model is evaluated first.
+            model.generate(**inputs, max_new_tokens=1, do_sample=False)
+            warmed_up = True
+        _sync(device)
         began = time.perf_counter()
         if parts:
             with trace_routing(model) as gen_trace:
                 new_tokens = generate(model, inputs, max_new_tokens)
-            prefill = _PrefillTrace(gen_trace)
+                _sync(device)
+            prefill = _PrefillTrace(gen_trace, model, inputs)
         else:
             new_tokens, prefill = generate(model, inputs, max_new_tokens), None
+            _sync(device)
         seconds += time.perf_counter() - began
         rows = len(records)
         flops += generation_flops(model, inputs, prefill)["total"] * rows
@@ -217,15 +269,22 @@ def evaluate(
         flops_per_sample=flops / len(samples),
         dense_flops_per_sample=dense_flops / len(samples),
         latency_s=seconds / len(samples),
-        skipped=len(ds.skipped),
+        skipped=len(ds.skipped) + len(failed),
     )
 
 
 class _PrefillTrace:
-    """The first step (the prefill) of a `generate` trace, as `generation_flops` reads it."""
+    """The first step (the prefill) of a `generate` trace, as `generation_flops` reads it. A
+    decoding step that recorded nothing (one that does not run the model) gets one traced prefill
+    forward instead, so a MoD model is never counted as dense."""
 
-    def __init__(self, trace: Any) -> None:
-        self.processed = {k: v[0] for k, v in trace.steps[0].items()} if trace.steps else {}
+    def __init__(self, trace: Any, model: nn.Module, inputs: dict[str, Tensor]) -> None:
+        if not trace.steps:
+            from vlmod.routing.trace import trace_routing
+
+            with trace_routing(model) as trace:
+                model(**inputs, logits_to_keep=1)
+        self.processed = {k: v[0] for k, v in trace.steps[0].items()}
 
 
 def format_comparison(reports: Sequence[EvalReport]) -> str:
@@ -251,11 +310,10 @@ def _pct(value: float | None) -> str:
 # ----------------------------------------------------------------------------- command line
 
 
-def load_model(path: str, device: str = "cpu", dtype: str = "float32") -> tuple[nn.Module, Any]:
-    """A LLaVA checkpoint (plain or converted) and its processor, with clear errors."""
-    from transformers import AutoProcessor
-
-    from vlmod.hf import load_config, load_pretrained, model_class
+def check_checkpoint(path: str) -> None:
+    """`EvalError` unless `path` is a LLaVA checkpoint; reads only its config, so every model of a
+    comparison is checked before the first one loads."""
+    from vlmod.hf import load_config, model_class
     from vlmod.plugins import llava
 
     try:
@@ -264,6 +322,15 @@ def load_model(path: str, device: str = "cpu", dtype: str = "float32") -> tuple[
         raise EvalError(str(e)) from None
     if not any(issubclass(cls, c) for c in llava._classes()):
         raise EvalError(f"{path} is a {cls.__name__} checkpoint; evaluation supports LLaVA models ({', '.join(llava.FAMILIES)})")
+
+
+def load_model(path: str, device: str = "cpu", dtype: str = "float32") -> tuple[nn.Module, Any]:
+    """A LLaVA checkpoint (plain or converted) and its processor, with clear errors."""
+    from transformers import AutoProcessor
+
+    from vlmod.hf import load_pretrained
+
+    check_checkpoint(path)
     try:
         processor = AutoProcessor.from_pretrained(path)
     except (OSError, ValueError) as e:
@@ -298,6 +365,9 @@ def run_evaluate(args: argparse.Namespace) -> int:
     """Evaluate --model (and --compare), print the table, write --json."""
     if not Path(args.data).expanduser().is_file():
         raise EvalError(f"data file {args.data} does not exist")
+    for path in (args.model, args.compare):
+        if path is not None:
+            check_checkpoint(path)
     reports = []
     for path, label in ((args.model, args.name), (args.compare, args.compare_name)):
         if path is None:
@@ -335,6 +405,7 @@ __all__ = [
     "SampleResult",
     "add_evaluate_arguments",
     "answer_losses",
+    "check_checkpoint",
     "evaluate",
     "format_comparison",
     "greedy_generate",
