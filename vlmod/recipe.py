@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from vlmod.argtypes import fraction, positive_int
+from vlmod.argtypes import fraction, non_negative_int, positive_int
 from vlmod.bench import InputError, write_json
 
 
@@ -37,24 +37,25 @@ from vlmod.bench import InputError, write_json
 class RecipeSettings:
     """Everything the recipe depends on; the defaults are the README's Results run."""
 
-    num_train: int = 4000
+    num_train: int = 16000
     num_val: int = 400
-    image_size: int = 48
-    distractors: int = 1
+    image_size: int = 32
+    distractors: int = 0
     width: int = 128
     layers: int = 4
     heads: int = 4
     kv_heads: int = 2
     vision_width: int = 128
-    vision_layers: int = 2
+    vision_layers: int = 3
     patch_size: int = 4
-    dense_steps: int = 1200
-    dense_lr: float = 2e-3
+    dense_steps: int = 3500
+    dense_lr: float = 1e-3
+    weight_decay: float = 0.05
     batch_size: int = 32
     capacity: float = 0.5
     num_mod_layers: int = 2
     rank_samples: int = 64
-    mod_steps: int = 300
+    mod_steps: int = 400
     mod_lr: float = 5e-4
     router_lr: float = 5e-3
     routers: tuple[str, ...] = ("random", "stride", "inverted")
@@ -214,6 +215,7 @@ def run_recipe(out: str | Path, settings: RecipeSettings | None = None, progress
     stages.run("init", init)
     dense = stages.run("train dense", lambda: finetune(
         out / "init", "dense", trainable="full", train_vision_tower=True, lr=s.dense_lr, max_steps=s.dense_steps,
+        weight_decay=s.weight_decay,
     ))
     stages.run("eval dense", lambda: evaluated("dense", dense))
 
@@ -258,7 +260,7 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     for name, value in defaults.to_dict().items():
         if name in ("routers", "threads", "capacity"):
             continue
-        kind = positive_int if isinstance(value, int) else float
+        kind = non_negative_int if isinstance(value, int) else float
         parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, default=value,
                             help=f"default: {value}")
     parser.add_argument("--capacity", type=fraction, default=defaults.capacity, help="MoD capacity on image tokens")
