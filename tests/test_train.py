@@ -93,23 +93,40 @@ def test_train_saves_a_model_that_load_pretrained_reads(workdir: Path, tmp_path:
 
 
 def test_resume_continues_with_the_same_step_optimizer_and_data(workdir: Path, tmp_path: Path) -> None:
-    straight = train(_cfg(workdir, tmp_path / "a", max_steps=6, save_steps=3, seed=3), progress=False)
-    checkpoint = latest_checkpoint(tmp_path / "a")
-    assert checkpoint is not None and checkpoint.name == "step-3"
+    # 24 samples in batches of 4: 6 steps an epoch, so the resumed run crosses into epoch 1.
+    straight = train(_cfg(workdir, tmp_path / "a", max_steps=9, save_steps=3, seed=3), progress=False)
+    checkpoint = tmp_path / "a" / "checkpoints" / "step-3"
     state = json.loads((checkpoint / "trainer_state.json").read_text())
-    assert state["step"] == 3
+    assert state == {"step": 3, "epoch": 0, "batch_in_epoch": 3}
+    assert latest_checkpoint(tmp_path / "a").name == "step-6"
     # A second run that only has the step-3 checkpoint picks up from there.
     (tmp_path / "b" / "checkpoints").mkdir(parents=True)
     checkpoint.rename(tmp_path / "b" / "checkpoints" / "step-3")
-    resumed = train(_cfg(workdir, tmp_path / "b", max_steps=6, save_steps=3, seed=3, resume="latest"), progress=False)
-    assert resumed.step == 6
-    assert [h["step"] for h in resumed.history] == [4, 5, 6]
+    resumed = train(_cfg(workdir, tmp_path / "b", max_steps=9, save_steps=3, seed=3, resume="latest"), progress=False)
+    assert resumed.step == 9
+    assert [h["step"] for h in resumed.history] == [4, 5, 6, 7, 8, 9]
     assert [h["loss"] for h in resumed.history] == pytest.approx([h["loss"] for h in straight.history[3:]], rel=1e-5)
     a = vlmod.load_pretrained(straight.model_dir).state_dict()
     b = vlmod.load_pretrained(resumed.model_dir).state_dict()
     assert a.keys() == b.keys()
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6)
+
+
+def test_epochs_count_partial_accumulation_steps(workdir: Path, tmp_path: Path) -> None:
+    # 6 batches an epoch, accumulating 4: steps after batches 4 and 6, so 2 epochs are 4 steps.
+    result = train(_cfg(workdir, tmp_path, max_steps=None, epochs=2, gradient_accumulation_steps=4,
+                        trainable="router"), progress=False)
+    assert result.step == 4
+
+
+def test_yaml_values_are_typed_or_named_errors() -> None:
+    cfg = TrainConfig.from_dict({"model": "m", "data": "d.json", "output_dir": "o", "lr": "2e-5", "max_steps": 10.0})
+    assert cfg.lr == 2e-5 and cfg.max_steps == 10 and isinstance(cfg.max_steps, int)
+    with pytest.raises(TrainError, match="mod must be"):
+        TrainConfig.from_dict({"model": "m", "data": "d.json", "output_dir": "o", "mod": 0.5})
+    with pytest.raises(TrainError, match="lr must be"):
+        TrainConfig.from_dict({"model": "m", "data": "d.json", "output_dir": "o", "lr": "fast"})
 
 
 def test_lora_is_merged_into_the_saved_model(workdir: Path, tmp_path: Path) -> None:

@@ -161,17 +161,42 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
+        """Settings as read from YAML: unknown keys, missing ones and values of the wrong type are
+        errors that name the key (YAML reads `2e-5` as a string, for one)."""
+        types = {f.name: str(f.type) for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - set(types))
         if unknown:
-            raise TrainError(f"unknown finetune setting(s) {unknown}; valid keys: {', '.join(sorted(names))}")
+            raise TrainError(f"unknown finetune setting(s) {unknown}; valid keys: {', '.join(sorted(types))}")
         missing = [k for k in ("model", "data", "output_dir") if d.get(k) in (None, "")]
         if missing:
             raise TrainError(f"missing required setting(s) {missing} (in the YAML or as --{missing[0].replace('_', '-')})")
-        return cls(**d)
+        return cls(**{k: _typed(k, v, types[k]) for k, v in d.items()})
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _typed(key: str, value: Any, annotation: str) -> Any:
+    """`value` as the type `annotation` names (int, float, bool, str, list, dict; `| None`)."""
+    if value is None and "None" in annotation:
+        return None
+    base = annotation.split("|")[0].strip().split("[")[0]
+    try:
+        if base == "float" and not isinstance(value, bool):
+            return float(value)
+        if base == "int" and not isinstance(value, bool) and float(value) == int(float(value)):
+            return int(float(value))
+        if base == "bool" and isinstance(value, bool):
+            return value
+        if base == "str" and isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        if base == "list" and isinstance(value, (list, tuple, str)):
+            return [value] if isinstance(value, str) else list(value)
+        if base == "dict" and isinstance(value, dict):
+            return value
+    except (TypeError, ValueError):
+        pass
+    raise TrainError(f"{key} must be {annotation.replace(' | None', ' or empty')}, got {value!r}")
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
@@ -329,18 +354,20 @@ def routed_fraction(trace: Any, parts: Sequence[Any]) -> float | None:
 
 @torch.no_grad()
 def validation_loss(model: nn.Module, loader: Any, accelerator: Any) -> float:
-    """Mean answer-token loss over `loader` (all processes)."""
+    """Mean answer loss over `loader` (all processes): per-sample mean NLL of the answer tokens,
+    as `vlmod eval` reports it (no router aux term)."""
+    from vlmod.eval import answer_losses
+
     model.eval()
-    loss_sum = torch.zeros((), device=accelerator.device)
-    tokens = torch.zeros((), device=accelerator.device)
+    total = torch.zeros((), device=accelerator.device)
+    count = torch.zeros((), device=accelerator.device)
     for batch in loader:
-        out = model(**batch)
-        n = (batch["labels"][:, 1:] != -100).sum()
-        loss_sum += out.loss.detach().float() * n
-        tokens += n
+        losses = answer_losses(model(**batch).logits, batch["labels"])
+        total += losses.sum()
+        count += losses.numel()
     model.train()
-    loss_sum, tokens = accelerator.reduce(loss_sum), accelerator.reduce(tokens)
-    return float(loss_sum / tokens.clamp_min(1))
+    total, count = accelerator.reduce(total), accelerator.reduce(count)
+    return float(total / count.clamp_min(1))
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -445,6 +472,21 @@ def _make_accelerator(cfg: TrainConfig) -> Any:
     )
 
 
+def _check_lora_sharding(cfg: TrainConfig, accelerator: Any) -> None:
+    """LoRA is merged into the weights at save time, which needs whole parameters: refuse the
+    setups that shard them (FSDP, ZeRO-3) instead of saving a broken model."""
+    from accelerate.utils import DistributedType
+
+    if cfg.trainable != "lora":
+        return
+    ds = getattr(accelerator.state, "deepspeed_plugin", None)
+    if accelerator.distributed_type == DistributedType.FSDP or (ds is not None and ds.zero_stage == 3):
+        raise TrainError(
+            "trainable: lora with FSDP or DeepSpeed ZeRO-3 shards the weights the adapters are merged into; "
+            "use configs/accelerate/multi_gpu.yaml or zero2.yaml for LoRA"
+        )
+
+
 def _optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     router, decay, no_decay = [], [], []
     for name, p in model.named_parameters():
@@ -478,6 +520,7 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
             raise TrainError(f"data file {path} does not exist")
     resume_from = resolve_resume(cfg)
     accelerator = _make_accelerator(cfg)
+    _check_lora_sharding(cfg, accelerator)
     set_seed(cfg.seed)
     model, processor = load_model(cfg)
     train_set = load_dataset(cfg.data, processor, cfg)
@@ -492,9 +535,8 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
         raise TrainError(f"trainable: {cfg.trainable} leaves no parameter to train in this model")
     parts = find_parts(model)
 
-    sampler = EpochSampler(len(train_set), cfg.seed)
     loader = torch.utils.data.DataLoader(
-        train_set, batch_size=cfg.batch_size, sampler=sampler, collate_fn=train_set.collate,
+        train_set, batch_size=cfg.batch_size, sampler=EpochSampler(len(train_set), cfg.seed), collate_fn=train_set.collate,
         num_workers=cfg.num_workers, drop_last=len(train_set) >= cfg.batch_size,
     )
     val_loader = None
@@ -503,18 +545,19 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
             val_set, batch_size=cfg.batch_size, collate_fn=val_set.collate, num_workers=cfg.num_workers
         )
     optimizer = _optimizer(model, cfg)
-    batches_per_epoch = math.ceil(len(loader) / accelerator.num_processes)
-    steps_per_epoch = max(1, batches_per_epoch // cfg.gradient_accumulation_steps)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    # After prepare: `len(loader)` is per process, and DeepSpeed may have set the accumulation.
+    # The last partial accumulation of an epoch steps the optimizer too, hence the ceil.
+    steps_per_epoch = math.ceil(len(loader) / accelerator.gradient_accumulation_steps)
     total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * steps_per_epoch))
     warmup = int(cfg.warmup) if cfg.warmup >= 1 else int(cfg.warmup * total_steps)
     # A prepared scheduler steps once per process per optimizer step (accelerate's convention).
-    scheduler = get_scheduler(
+    scheduler = accelerator.prepare(get_scheduler(
         {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[cfg.scheduler],
         optimizer,
         num_warmup_steps=warmup * accelerator.num_processes,
         num_training_steps=total_steps * accelerator.num_processes,
-    )
-    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    ))
     if val_loader is not None:
         val_loader = accelerator.prepare(val_loader)
 
@@ -540,7 +583,7 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
     val_loss = None
     model.train()
     while step < total_steps:
-        sampler.set_epoch(epoch)
+        loader.set_epoch(epoch)  # the prepared loader passes its epoch on to the sampler (and a skip-loader)
         epoch_loader = accelerator.skip_first_batches(loader, batch_in_epoch) if batch_in_epoch else loader
         for batch in epoch_loader:
             with accelerator.accumulate(model):
@@ -553,8 +596,6 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
                 else:
                     out = model(**batch)
                 loss = out.loss
-                if not torch.isfinite(loss):
-                    raise RuntimeError(f"loss is {loss.item()} at step {step}: lower lr or use mixed_precision: no")
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and cfg.max_grad_norm:
                     accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
@@ -570,6 +611,8 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
             bar.update(1)
             if step % max(cfg.log_steps, 1) == 0 or step == total_steps:
                 mean_loss = float(accelerator.reduce(loss_sum, reduction="mean")) / micro
+                if not math.isfinite(mean_loss):
+                    raise TrainError(f"the loss became {mean_loss} by step {step}: lower lr, or use mixed_precision: no")
                 last = {"step": step, "loss": mean_loss, "lr": scheduler.get_last_lr()[0]}
                 if routed:
                     last["skip_rate"] = 1.0 - sum(routed) / len(routed)
@@ -581,7 +624,7 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
                 micro, routed = 0, []
             if val_loader is not None and cfg.eval_steps and (step % cfg.eval_steps == 0 or step == total_steps):
                 val_loss = validation_loss(model, val_loader, accelerator)
-                last["val_loss"] = val_loss
+                history.append({"step": step, "val_loss": val_loss})
                 bar.write(f"step {step}: validation loss {val_loss:.4f}")
                 if cfg.report_to:
                     accelerator.log({"val/loss": val_loss}, step=step)
