@@ -63,6 +63,7 @@ def test_accuracy_counts_exactly_the_right_answers(workdir: Path) -> None:
         ("The Circle.", "circle", True), ("circle", "a circle", True), ("square", "circle", False),
         ("B", "B", True), ("(b) because it is red", "B", True), ("B.", "(B)", True),
         ("A", "B", False), ("Blue", "B", False), ("option C", "C", True),
+        ("a red circle", "A", False), ("a", "A", True), ("(a) red", "A", True), ("Answer: D", "D", True),
     ],
 )
 def test_is_correct(prediction: str, reference: str, correct: bool) -> None:

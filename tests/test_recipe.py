@@ -34,3 +34,19 @@ def test_recipe_writes_results_and_models(tmp_path: Path) -> None:
     spec.loader.exec_module(build)
     build.install(tmp_path / "mod" / "model", tmp_path / "assets" / "model")
     assert vlmod.mod_layers(vlmod.load_pretrained(tmp_path / "assets" / "model")) == vlmod.mod_layers(model)
+
+
+def test_reuse_dense_reruns_only_the_mod_stages(tmp_path: Path) -> None:
+    import dataclasses
+
+    import pytest
+
+    from vlmod.bench import InputError
+
+    first = run_recipe(tmp_path, QUICK, progress=False, log=lambda _: None)
+    again = run_recipe(tmp_path, dataclasses.replace(QUICK, mod_steps=1), progress=False, log=lambda _: None,
+                       reuse_dense=True)
+    assert again.stages["train dense"] == first.stages["train dense"]
+    assert again.row("dense")["accuracy"] == first.row("dense")["accuracy"]
+    with pytest.raises(InputError, match="dense_steps"):
+        run_recipe(tmp_path, dataclasses.replace(QUICK, dense_steps=4), progress=False, reuse_dense=True)

@@ -29,7 +29,11 @@ from vlmod.bench import InputError, format_table, generation_flops, write_json
 from vlmod.data.collate import IGNORE_INDEX, normalize_answer
 
 _OPTION = re.compile(r"^\(?([A-Ea-e])\)?[.:)]?$")
-_LEADING_OPTION = re.compile(r"^\s*(?:option\s+|answer\s*:?\s*)?\(?([A-Ea-e])(?:[\s.:)]|$)", re.IGNORECASE)
+# A capital letter, or a lowercase one set off as an option ("(b)", "b.", "b" alone): so "a red
+# circle" is not option A.
+_LEADING_OPTION = re.compile(
+    r"^\s*(?i:option\s+|answer\s*:?\s*)?(?:\(([A-Ea-e])\)|([A-E])(?:[\s.:)]|$)|([a-e])(?:[.:)]|$))"
+)
 
 
 class EvalError(InputError):
@@ -79,7 +83,8 @@ def is_correct(prediction: str, reference: str) -> bool:
     option = _OPTION.match(reference.strip())
     if option:
         found = _LEADING_OPTION.match(prediction)
-        return found is not None and found.group(1).upper() == option.group(1).upper()
+        letter = found and next(g for g in found.groups() if g)
+        return bool(letter) and letter.upper() == option.group(1).upper()
     return normalize_answer(prediction) == normalize_answer(reference)
 
 

@@ -20,6 +20,7 @@ workflow on a real checkpoint.
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import time
 from collections.abc import Callable
@@ -55,7 +56,7 @@ class RecipeSettings:
     capacity: float = 0.5
     num_mod_layers: int = 2
     rank_samples: int = 64
-    mod_steps: int = 400
+    mod_steps: int = 1200
     mod_lr: float = 5e-4
     router_lr: float = 5e-3
     routers: tuple[str, ...] = ("random", "stride", "inverted")
@@ -142,6 +143,23 @@ def acceptance(result: RecipeResult) -> list[str]:
     return checks
 
 
+_DENSE_SETTINGS = (
+    "num_train", "num_val", "image_size", "distractors", "width", "layers", "heads", "kv_heads", "vision_width",
+    "vision_layers", "patch_size", "dense_steps", "dense_lr", "weight_decay", "batch_size", "seed",
+)
+
+
+def _check_reusable(out: Path, s: RecipeSettings) -> None:
+    """An earlier run's dense model may be reused only if it was trained with these settings."""
+    results = out / "results.json"
+    if not (out / "dense" / "model" / "model.safetensors").is_file() or not results.is_file():
+        raise InputError(f"--reuse-dense: {out} holds no finished recipe run (dense/model and results.json)")
+    before = json.loads(results.read_text())["settings"]
+    changed = [k for k in _DENSE_SETTINGS if before.get(k) != getattr(s, k)]
+    if changed:
+        raise InputError(f"--reuse-dense: the dense model in {out} was trained with other {', '.join(changed)}")
+
+
 class _Stages:
     """Times each stage and prints it as it ends."""
 
@@ -158,8 +176,12 @@ class _Stages:
 
 
 def run_recipe(out: str | Path, settings: RecipeSettings | None = None, progress: bool = True,
-               log: Callable[[str], None] = print) -> RecipeResult:
-    """Run every stage into `out` (see the module doc) and write results.json / results.md."""
+               log: Callable[[str], None] = print, reuse_dense: bool = False) -> RecipeResult:
+    """Run every stage into `out` (see the module doc) and write results.json / results.md.
+
+    reuse_dense: keep the dense model of an earlier run in `out` trained with the same settings
+    (to rerun the MoD stages with other MoD settings); its training time is taken from that
+    run's results.json."""
     from transformers import AutoProcessor
 
     from vlmod import tiny
@@ -212,11 +234,18 @@ def run_recipe(out: str | Path, settings: RecipeSettings | None = None, progress
         log(f"   {name}: accuracy {100 * row['accuracy']:.1f}%, answer loss {row['answer_loss']:.3f}")
         return row
 
-    stages.run("init", init)
-    dense = stages.run("train dense", lambda: finetune(
-        out / "init", "dense", trainable="full", train_vision_tower=True, lr=s.dense_lr, max_steps=s.dense_steps,
-        weight_decay=s.weight_decay,
-    ))
+    dense = out / "dense" / "model"
+    if reuse_dense:
+        _check_reusable(out, s)
+        previous = json.loads((out / "results.json").read_text())["stage_seconds"]
+        result.stages.update({k: previous[k] for k in ("init", "train dense")})
+        log(f"== reusing the dense model in {dense} (trained in {previous['train dense']:.0f} s)")
+    else:
+        stages.run("init", init)
+        stages.run("train dense", lambda: finetune(
+            out / "init", "dense", trainable="full", train_vision_tower=True, lr=s.dense_lr, max_steps=s.dense_steps,
+            weight_decay=s.weight_decay,
+        ))
     stages.run("eval dense", lambda: evaluated("dense", dense))
 
     def rank() -> list[int]:
@@ -260,13 +289,15 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     for name, value in defaults.to_dict().items():
         if name in ("routers", "threads", "capacity"):
             continue
-        kind = non_negative_int if isinstance(value, int) else float
+        kind = (non_negative_int if name in ("seed", "distractors") else positive_int) if isinstance(value, int) else float
         parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, default=value,
                             help=f"default: {value}")
     parser.add_argument("--capacity", type=fraction, default=defaults.capacity, help="MoD capacity on image tokens")
     parser.add_argument("--routers", nargs="*", default=list(defaults.routers),
                         help="baselines evaluated on the fine-tuned weights (default: random stride inverted)")
     parser.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--reuse-dense", action="store_true",
+                        help="keep the dense model of an earlier run in --out (same settings); rerun the MoD stages")
     parser.add_argument("--no-progress", action="store_true")
     parser.set_defaults(run=run_recipe_command)
     return parser
@@ -281,7 +312,7 @@ def run_recipe_command(args: argparse.Namespace) -> int:
     bad = [r for r in values["routers"] if r not in ROUTERS or r == "learned"]
     if bad:
         raise InputError(f"--routers: unknown baseline(s) {bad}; choose from {[r for r in ROUTERS if r != 'learned']}")
-    run_recipe(args.out, RecipeSettings(**values), progress=not args.no_progress)
+    run_recipe(args.out, RecipeSettings(**values), progress=not args.no_progress, reuse_dense=args.reuse_dense)
     print(f"results written to {Path(args.out) / 'results.md'} and results.json")
     return 0
 
