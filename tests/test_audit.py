@@ -119,14 +119,27 @@ def test_verdict_gaps_and_text():
     assert math.isclose(v["gaps"]["inverted"]["accuracy"], 0.5)
 
 
+def test_refused_parts_go_back_to_their_own_router(converted, monkeypatch):
+    """A part that refuses a kind runs the model's own router, not the previous audit router."""
+    model = vlmod.load_pretrained(converted[0])
+    real = audit.set_router
+
+    def refuse_attention(model, kind, part=None):
+        if kind == "attention":
+            raise ValueError("no CLS token")
+        return real(model, kind, part=part)
+
+    monkeypatch.setattr(audit, "set_router", refuse_attention)
+    original = {p.name: p.config.router for p in vlmod.routing.trace.find_parts(model)}
+    assert set(original.values()) == {"learned"}
+    assert audit._set_parts(model, "random", original)[0] == list(original)
+    done, refused = audit._set_parts(model, "attention", original)
+    assert done == [] and set(refused) == set(original)
+    assert {p.config.router for p in vlmod.routing.trace.find_parts(model)} == {"learned"}
+
+
 # ---------------------------------------------------------------------------- the script and the command
 
-needs_eval = pytest.mark.skipif(
-    importlib.util.find_spec("vlmod.eval") is None, reason="vlmod.eval (evaluate) is not in this checkout yet"
-)
-
-
-@needs_eval
 def test_audit_script_writes_json_and_plots(converted, tmp_path, capsys):
     model_dir, data = converted
     spec = importlib.util.spec_from_file_location("audit_routing", ROOT / "scripts" / "audit_routing.py")
@@ -152,7 +165,6 @@ def test_audit_script_writes_json_and_plots(converted, tmp_path, capsys):
     assert "verdict:" in printed and "attention" in printed
 
 
-@needs_eval
 def test_vlmod_audit_command_runs_a_subset_of_routers(converted, tmp_path):
     model_dir, data = converted
     out = tmp_path / "a.json"
@@ -175,3 +187,22 @@ def test_vlmod_audit_bad_input(converted, tmp_path, capsys):
     dense = model_dir.parent / "dense"
     assert cli_main(["audit", "--model", str(dense), "--data", str(data)]) == 2
     assert "no MoD layers" in capsys.readouterr().err
+    assert cli_main(["audit", "--model", str(model_dir), "--data", str(data), "--device", "nodevice"]) == 2
+    assert "--device nodevice" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    assert cli_main(["audit", "--model", str(tmp_path), "--data", str(data)]) == 2
+    assert capsys.readouterr().err.startswith("error: ")
+
+
+def test_vlmod_audit_eval_error_is_one_line(converted, capsys, monkeypatch):
+    """An EvalError from evaluate (e.g. no sample to evaluate) is an `error:` line and status 2."""
+    import vlmod.eval
+
+    def no_sample(*args, **kwargs):
+        raise vlmod.eval.EvalError("no sample to evaluate in val.json")
+
+    monkeypatch.setattr(vlmod.eval, "evaluate", no_sample)
+    model_dir, data = converted
+    rc = cli_main(["audit", "--model", str(model_dir), "--data", str(data), "--no-progress", "--device", "cpu"])
+    assert rc == 2
+    assert capsys.readouterr().err.splitlines()[-1] == "error: no sample to evaluate in val.json"

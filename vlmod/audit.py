@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from vlmod.bench import InputError
 from vlmod.config import TokenType
 from vlmod.routing.api import set_router
 from vlmod.routing.trace import find_parts, trace_routing
@@ -378,8 +379,9 @@ def untrained_routers(model: nn.Module) -> bool:
     return bool(params) and all(not p.detach().any() for p in params)
 
 
-def _set_parts(model: nn.Module, kind: str) -> tuple[list[str], dict[str, str]]:
-    """Parts switched to `kind`, and {part: why not} for those that cannot use it."""
+def _set_parts(model: nn.Module, kind: str, original: Mapping[str, str]) -> tuple[list[str], dict[str, str]]:
+    """Parts switched to `kind`, and {part: why not} for those that cannot use it; those go back
+    to their own router kind `original[part]`, not whatever an earlier audit router left there."""
     done, refused = [], {}
     for p in find_parts(model):
         try:
@@ -387,6 +389,7 @@ def _set_parts(model: nn.Module, kind: str) -> tuple[list[str], dict[str, str]]:
             done.append(p.name)
         except ValueError as err:
             refused[p.name] = str(err)
+            set_router(model, original[p.name], part=p.name)
     return done, refused
 
 
@@ -433,7 +436,7 @@ def audit(
     partial: dict[str, dict[str, str]] = {}
     try:
         for router in routers:
-            done, refused = _set_parts(model, router)
+            done, refused = _set_parts(model, router, original)
             if not done:
                 skipped[router] = "; ".join(refused.values())
                 continue
@@ -466,7 +469,7 @@ def audit(
 # ----------------------------------------------------------------------------- command line
 
 
-class AuditInputError(ValueError):
+class AuditInputError(InputError):
     """Bad input to `vlmod audit`: one `error:` line, exit status 2."""
 
 
@@ -483,7 +486,11 @@ def add_audit_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--batch-size", type=positive_int, default=8, help="samples per batch (default: 8)")
     parser.add_argument("--max-new-tokens", type=positive_int, default=16, help="answer length (default: 16)")
     parser.add_argument("--limit", type=positive_int, default=None, help="audit the first N samples only")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random router (default: 0)")
+    parser.add_argument(
+        "--seed", type=int, default=0,
+        help="torch.manual_seed before each router's evaluation and trace: seeds the random router unless "
+        "the checkpoint's MoD config sets its own `seed`, which then wins (default: 0)",
+    )
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--json", metavar="PATH", default=None, help="write the full report as JSON")
     parser.add_argument("--plots", metavar="DIR", default=None, help="write PNG plots (Jaccard, compute by position)")
@@ -521,7 +528,7 @@ def run_audit(args: argparse.Namespace) -> int:
     """Load, audit, print, write JSON and plots; bad input is one `error:` line and status 2."""
     try:
         return _run_audit(args)
-    except AuditInputError as e:
+    except InputError as e:  # AuditInputError, and EvalError from vlmod.eval
         print(f"error: {e}", file=sys.stderr)
         return 2
 
@@ -532,6 +539,7 @@ def _run_audit(args: argparse.Namespace) -> int:
     import vlmod
     from vlmod.bench import write_json
     from vlmod.data import DataError
+    from vlmod.eval import check_checkpoint
 
     routers = [r.strip() for r in args.routers.split(",") if r.strip()]
     unknown = [r for r in routers if r not in AUDIT_ROUTERS]
@@ -541,12 +549,20 @@ def _run_audit(args: argparse.Namespace) -> int:
         raise AuditInputError(f"--model {args.model} is not a directory")
     if not Path(args.data).is_file():
         raise AuditInputError(f"--data {args.data} does not exist")
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    check_checkpoint(str(args.model))  # EvalError (an InputError) unless a LLaVA checkpoint
     try:
-        model = vlmod.load_pretrained(args.model).to(device).eval()
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError as e:
+        raise AuditInputError(f"--device {args.device}: {str(e).splitlines()[0]}") from None
+    try:
+        model = vlmod.load_pretrained(args.model)
         processor = AutoProcessor.from_pretrained(args.model)
     except (OSError, TypeError, ValueError) as e:
         raise AuditInputError(f"cannot load {args.model}: {str(e).splitlines()[0]}") from None
+    try:
+        model = model.to(device).eval()
+    except (RuntimeError, AssertionError) as e:  # no such device / torch built without it
+        raise AuditInputError(f"--device {args.device}: {str(e).splitlines()[0]}") from None
     if not vlmod.mod_layers(model):
         raise AuditInputError(f"{args.model} has no MoD layers: convert it first (vlmod convert)")
     try:
