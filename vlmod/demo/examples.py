@@ -19,7 +19,9 @@ import numpy as np
 
 EXAMPLES_DIR = Path(__file__).parent / "assets" / "examples"
 MANIFEST = "examples.json"
-IMAGE_SIZE = 64  # the synthetic set's default side, what the embedded model was trained on
+# The recipe's image side and scene density: what the embedded model was trained on.
+IMAGE_SIZE = 32
+DISTRACTORS = 0
 NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,40}$")
 
 
@@ -59,7 +61,7 @@ def write_examples(out_dir: str | Path = EXAMPLES_DIR, specs: Sequence[ExampleSp
     """Write the example files and `examples.json` to `out_dir`; same arguments, same bytes."""
     from PIL import Image
 
-    from vlmod.data.synthetic import VIDEO_FPS, image_sample, video_sample
+    from vlmod.data.synthetic import QUESTIONS, VIDEO_FPS, image_sample, video_sample
     from vlmod.video import write_video
 
     out = Path(out_dir)
@@ -68,18 +70,22 @@ def write_examples(out_dir: str | Path = EXAMPLES_DIR, specs: Sequence[ExampleSp
     for spec in specs:
         rng = np.random.default_rng([spec.seed, 7])
         if spec.kind == "image":
-            img, question, _ = image_sample(rng, spec.qtype, spec.answer, IMAGE_SIZE)
+            img, question, _ = image_sample(rng, spec.qtype, spec.answer, IMAGE_SIZE, distractors=DISTRACTORS)
+            answer = spec.answer
             file = f"{spec.name}.png"
             Image.fromarray(img).save(out / file, format="PNG", compress_level=9)
             media_type = "image/png"
         else:
-            clip, question, _ = video_sample(rng, spec.qtype, spec.answer, IMAGE_SIZE, frames)
+            clip, _, meta = video_sample(rng, spec.qtype, spec.answer, IMAGE_SIZE, frames)
+            # The embedded model learned image questions only; ask one about the moving object.
+            moving = meta["objects"][meta["target"]]
+            question, answer = QUESTIONS["shape"].format(color=moving["color"]), moving["shape"]
             file = f"{spec.name}.mp4"
             write_video(out / file, clip, fps=VIDEO_FPS)
             media_type = "video/mp4"
         written.append(out / file)
         manifest.append(
-            {"name": spec.name, "kind": spec.kind, "file": file, "prompt": question, "answer": spec.answer,
+            {"name": spec.name, "kind": spec.kind, "file": file, "prompt": question, "answer": answer,
              "media_type": media_type}
         )
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
