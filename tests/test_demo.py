@@ -24,7 +24,7 @@ from starlette.testclient import TestClient  # noqa: E402
 
 import vlmod  # noqa: E402
 from vlmod import tiny  # noqa: E402
-from vlmod.demo import analysis, examples  # noqa: E402
+from vlmod.demo import analysis, examples, media  # noqa: E402
 from vlmod.demo import app as demo_app  # noqa: E402
 from vlmod.demo.app import DemoSetupError, create_app  # noqa: E402
 
@@ -278,6 +278,56 @@ def test_unknown_example_is_404(client: TestClient, name: str) -> None:
     r = client.post("/api/analyze", data={"prompt": "hi", "example": name})
     assert r.status_code == 404 and "unknown example" in r.json()["error"]
     assert client.get(f"/api/examples/{name}").status_code == 404
+
+
+def _png_header(width: int, height: int) -> bytes:
+    """A PNG that only claims its size: signature, IHDR (valid CRC), an empty IDAT and IEND."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", b"") + chunk(b"IEND", b"")
+
+
+def test_decompression_bomb_image_is_413(client: TestClient) -> None:
+    """Far over PIL's own limit (PIL raises DecompressionBombError at open): 413, not 'not an image'."""
+    r = _post(client, file=("x.png", _png_header(30_000, 30_000), "image/png"))
+    assert r.status_code == 413 and "too large" in r.json()["error"]
+    r = _post(client, file=("x.png", _png_header(8_000, 6_000), "image/png"))  # over max_pixels only
+    assert r.status_code == 413 and "8000x6000" in r.json()["error"]
+
+
+def test_large_video_is_refused_before_decoding(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import vlmod.video
+
+    def no_decode(*args, **kwargs):
+        raise AssertionError("frames decoded before the size check")
+
+    monkeypatch.setattr(vlmod.video, "load_video", no_decode)
+    clip = tmp_path / "clip"
+    clip.write_bytes(_example_bytes("moving-right"))
+    w, h = media.video_frame_size(clip)
+    with pytest.raises(media.MediaError, match="pixels") as err:
+        media.decode_media(clip, num_frames=4, max_pixels=w * h - 1)
+    assert err.value.status == 413
+
+
+def test_prompt_with_placeholder_tokens_is_400(client: TestClient) -> None:
+    for prompt in ("<image> what", "what is in <video> ?"):
+        r = _post(client, prompt, file=("x.png", _png(), "image/png"))
+        assert r.status_code == 400 and "placeholders are added by the demo" in r.json()["error"]
+
+
+def test_value_error_from_the_model_is_422_json(client: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args, **kwargs):
+        raise ValueError("Image features and image tokens do not match")
+
+    monkeypatch.setattr(demo_app, "analyze", refuse)
+    r = _post(client, file=("x.png", _png(), "image/png"))
+    assert r.status_code == 422 and "do not match" in r.json()["error"]
 
 
 def test_examples_are_listed_and_served(client: TestClient) -> None:

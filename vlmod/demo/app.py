@@ -148,6 +148,7 @@ def create_app(
     examples = load_examples(examples_dir)
     max_upload = int(max_upload_mb * 2**20)
     model_lock = threading.Lock()
+    placeholders = _placeholder_tokens(loaded.processor)
     if tmp_dir is not None:
         Path(tmp_dir).mkdir(parents=True, exist_ok=True)
 
@@ -213,6 +214,12 @@ def create_app(
             prompt = prompt.strip()
             if len(prompt) > MAX_PROMPT_CHARS:
                 return _error(f"the prompt is too long ({len(prompt)} characters, at most {MAX_PROMPT_CHARS})", 400)
+            found = [t for t in placeholders if t in prompt]
+            if found:
+                return _error(
+                    f"the prompt contains {', '.join(found)}: image/video placeholders are added by the demo, "
+                    "ask your question in plain text", 400,
+                )
             upload, name = form.get("file"), form.get("example")
             has_upload = isinstance(upload, UploadFile) and bool(upload.filename or upload.size)
             if upload is not None and not isinstance(upload, UploadFile):
@@ -244,6 +251,8 @@ def create_app(
             result = await run_in_threadpool(run_model, media, prompt)
         except AnalysisError as err:
             return _error(f"this model's token layout is not supported by the demo: {err}", 422)
+        except ValueError as err:  # the processor or the model refused this prompt / picture
+            return _error(f"the model could not process this input: {str(err).splitlines()[0][:300]}", 422)
         result["source"] = source
         result["stats"]["latency_s"]["decode"] = decoded
         return JSONResponse(result)
@@ -266,6 +275,17 @@ def create_app(
     app.state.loaded = loaded
     app.state.examples = examples
     return app
+
+
+def _placeholder_tokens(processor: Any) -> list[str]:
+    """The processor's image / video placeholder tokens (plus LLaVA's usual spellings): a prompt
+    holding one would not match the pictures the demo sends, and the processor or model raises."""
+    tokens = {"<image>", "<video>"}
+    for attr in ("image_token", "video_token"):
+        token = getattr(processor, attr, None)
+        if isinstance(token, str) and token:
+            tokens.add(token)
+    return sorted(tokens)
 
 
 async def _save_upload(upload: UploadFile, path: Path, limit: int) -> int | None:

@@ -62,14 +62,16 @@ def looks_like_video(head: bytes) -> bool:
 def decode_image(path: Path, max_pixels: int = MAX_PIXELS) -> Image.Image | None:
     """The RGB image in `path`, None when PIL does not recognise the bytes as an image.
 
-    A recognised but undecodable image raises MediaError(400); one over `max_pixels` MediaError(413)
-    before its pixels are decoded.
+    A recognised but undecodable image raises MediaError(400); one over `max_pixels` (or over PIL's
+    decompression-bomb limit) MediaError(413) before its pixels are decoded.
     """
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             img = Image.open(path)
-    except (Image.UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError):
+    except Image.DecompressionBombError as err:  # an image, far over PIL's own pixel limit
+        raise MediaError(f"the image is too large to decode safely ({err})", status=413) from None
+    except (Image.UnidentifiedImageError, OSError, ValueError):
         return None
     with img:
         width, height = img.size
@@ -88,10 +90,34 @@ def decode_image(path: Path, max_pixels: int = MAX_PIXELS) -> Image.Image | None
     return rgb
 
 
+def video_frame_size(path: Path) -> tuple[int, int] | None:
+    """(width, height) of the first video stream from the container headers (PyAV), nothing
+    decoded; None when PyAV is missing or cannot tell (the decoded frames are checked then)."""
+    try:
+        import av
+    except ImportError:
+        return None
+    try:
+        with av.open(str(path)) as container:
+            if not container.streams.video:
+                return None
+            ctx = container.streams.video[0].codec_context
+            width, height = int(ctx.width or 0), int(ctx.height or 0)
+    except Exception:  # noqa: BLE001 - any failure to probe: leave the verdict to the decoder
+        return None
+    return (width, height) if width > 0 and height > 0 else None
+
+
 def decode_video(path: Path, num_frames: int, max_pixels: int = MAX_PIXELS) -> Media:
-    """`num_frames` frames sampled uniformly from the video in `path` (vlmod.video)."""
+    """`num_frames` frames sampled uniformly from the video in `path` (vlmod.video); a video whose
+    headers give frames over `max_pixels` is refused (413) before any frame is decoded."""
     from vlmod.video import VideoError, load_video
 
+    size = video_frame_size(path)
+    if size is not None and size[0] * size[1] > max_pixels:
+        raise MediaError(
+            f"the video is {size[0]}x{size[1]} pixels; the demo takes at most {max_pixels:,} pixels", status=413
+        )
     try:
         video = load_video(path, num_frames=num_frames)
     except VideoError as err:
