@@ -813,27 +813,13 @@ def run_rank(args: argparse.Namespace) -> int:
 
 
 def _load_llava(path: str, device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, Any]:
-    from transformers import AutoProcessor
+    from vlmod.hf import load_llava
 
-    from vlmod.hf import load_config, model_class
-    from vlmod.plugins import llava
-
-    try:
-        config = load_config(path)
-        cls = model_class(config)
-    except (FileNotFoundError, TypeError) as e:
-        raise RankInputError(str(e)) from None
-    if not any(issubclass(cls, c) for c in llava._classes()):
-        raise RankInputError(
-            f"{path} is a {cls.__name__} checkpoint; the rank command calibrates LLaVA models "
-            f"({', '.join(llava.FAMILIES)}). For image encoders call vlmod.arank.rank_layers in Python"
-        )
-    try:
-        processor = AutoProcessor.from_pretrained(path)
-    except (OSError, ValueError) as e:
-        raise RankInputError(f"could not load the processor of {path}: {str(e).splitlines()[0]}") from None
-    model = cls.from_pretrained(path, dtype=dtype).to(device).eval()
-    return model, processor
+    model, processor = load_llava(
+        path, RankInputError, "the rank command calibrates (for image encoders, call vlmod.arank.rank_layers)",
+        converted=False, dtype=dtype,
+    )
+    return model.to(device).eval(), processor
 
 
 def rank_checkpoint(

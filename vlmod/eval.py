@@ -234,15 +234,10 @@ def evaluate(
             warmed_up = True
         _sync(device)
         began = time.perf_counter()
-        if parts:
-            with trace_routing(model) as gen_trace:
-                new_tokens = generate(model, inputs, max_new_tokens)
-                _sync(device)
-            prefill = _PrefillTrace(gen_trace, model, inputs)
-        else:
-            new_tokens, prefill = generate(model, inputs, max_new_tokens), None
-            _sync(device)
+        new_tokens = generate(model, inputs, max_new_tokens)  # untraced: the trace's bookkeeping is not timed
+        _sync(device)
         seconds += time.perf_counter() - began
+        prefill = _prefill_trace(model, inputs) if parts else None
         rows = len(records)
         flops += generation_flops(model, inputs, prefill)["total"] * rows
         dense_flops += generation_flops(model, inputs, None)["total"] * rows
@@ -278,18 +273,13 @@ def evaluate(
     )
 
 
-class _PrefillTrace:
-    """The first step (the prefill) of a `generate` trace, as `generation_flops` reads it. A
-    decoding step that recorded nothing (one that does not run the model) gets one traced prefill
-    forward instead, so a MoD model is never counted as dense."""
+def _prefill_trace(model: nn.Module, inputs: dict[str, Tensor]) -> Any:
+    """What each MoD layer processed in one prefill of `inputs`, as `generation_flops` reads it."""
+    from vlmod.routing.trace import trace_routing
 
-    def __init__(self, trace: Any, model: nn.Module, inputs: dict[str, Tensor]) -> None:
-        if not trace.steps:
-            from vlmod.routing.trace import trace_routing
-
-            with trace_routing(model) as trace:
-                model(**inputs, logits_to_keep=1)
-        self.processed = {k: v[0] for k, v in trace.steps[0].items()}
+    with trace_routing(model) as trace:
+        model(**inputs, logits_to_keep=1)
+    return trace
 
 
 def format_comparison(reports: Sequence[EvalReport]) -> str:
@@ -318,30 +308,17 @@ def _pct(value: float | None) -> str:
 def check_checkpoint(path: str) -> None:
     """`EvalError` unless `path` is a LLaVA checkpoint; reads only its config, so every model of a
     comparison is checked before the first one loads."""
-    from vlmod.hf import load_config, model_class
-    from vlmod.plugins import llava
+    from vlmod.hf import llava_class
 
-    try:
-        cls = model_class(load_config(path))
-    except (FileNotFoundError, TypeError) as e:
-        raise EvalError(str(e)) from None
-    if not any(issubclass(cls, c) for c in llava._classes()):
-        raise EvalError(f"{path} is a {cls.__name__} checkpoint; evaluation supports LLaVA models ({', '.join(llava.FAMILIES)})")
+    llava_class(path, EvalError, "evaluation supports")
 
 
 def load_model(path: str, device: str = "cpu", dtype: str = "float32") -> tuple[nn.Module, Any]:
     """A LLaVA checkpoint (plain or converted) and its processor, with clear errors."""
-    from transformers import AutoProcessor
+    from vlmod.hf import load_llava
 
-    from vlmod.hf import load_pretrained
-
-    check_checkpoint(path)
-    try:
-        processor = AutoProcessor.from_pretrained(path)
-    except (OSError, ValueError) as e:
-        raise EvalError(f"could not load the processor of {path}: {str(e).splitlines()[0]}") from None
-    model = load_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
-    return model, processor
+    model, processor = load_llava(path, EvalError, "evaluation supports", dtype=getattr(torch, dtype))
+    return model.to(device).eval(), processor
 
 
 def add_evaluate_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -81,3 +81,36 @@ def load_pretrained(path: str | Path, **from_pretrained_kwargs: Any) -> nn.Modul
     model = converted.from_pretrained(path, **from_pretrained_kwargs)
     model.__class__ = cls
     return model
+
+
+def llava_class(path: str | Path, error: type[Exception], purpose: str) -> type:
+    """The LLaVA model class of checkpoint `path`, reading only its config (so a command can check
+    every checkpoint it was given before loading one); `error` with what is wrong otherwise.
+    `purpose` completes the message: "{path} is a X checkpoint; {purpose} LLaVA models (...)"."""
+    from vlmod.plugins import llava
+
+    try:
+        cls = model_class(load_config(path))
+    except (FileNotFoundError, TypeError) as e:
+        raise error(str(e)) from None
+    if not issubclass(cls, llava._classes()):
+        raise error(f"{path} is a {cls.__name__} checkpoint; {purpose} LLaVA models ({', '.join(llava.FAMILIES)})")
+    return cls
+
+
+def load_llava(
+    path: str | Path, error: type[Exception], purpose: str, converted: bool = True, **from_pretrained_kwargs: Any
+) -> tuple[nn.Module, Any]:
+    """(model, processor) of a LLaVA checkpoint, with `error` for a checkpoint that is missing, not
+    LLaVA, or has no loadable processor. converted: load the MoD layers it was saved with
+    (`load_pretrained`); False loads the dense model (routers ignored), as calibration wants."""
+    from transformers import AutoProcessor
+
+    cls = llava_class(path, error, purpose)
+    try:
+        processor = AutoProcessor.from_pretrained(str(path))
+    except (OSError, ValueError) as e:
+        raise error(f"could not load the processor of {path}: {str(e).splitlines()[0]}") from None
+    if converted:
+        return load_pretrained(path, **from_pretrained_kwargs), processor
+    return cls.from_pretrained(path, **from_pretrained_kwargs), processor

@@ -220,26 +220,11 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
 
 def load_model(cfg: TrainConfig) -> tuple[nn.Module, Any]:
     """The LLaVA model (converted as saved, then by `mod:`) and its processor, in float32."""
-    from transformers import AutoProcessor
-
-    from vlmod.hf import load_config, load_pretrained, model_class
-    from vlmod.plugins import llava
+    from vlmod.hf import load_llava
     from vlmod.routing.api import apply_mod
     from vlmod.routing.trace import find_parts
 
-    try:
-        cls = model_class(load_config(cfg.model))
-    except (FileNotFoundError, TypeError) as e:
-        raise TrainError(str(e)) from None
-    if not any(issubclass(cls, c) for c in llava._classes()):
-        raise TrainError(
-            f"{cfg.model} is a {cls.__name__} checkpoint; fine-tuning supports LLaVA models ({', '.join(llava.FAMILIES)})"
-        )
-    try:
-        processor = AutoProcessor.from_pretrained(cfg.model)
-    except (OSError, ValueError) as e:
-        raise TrainError(f"could not load the processor of {cfg.model}: {str(e).splitlines()[0]}") from None
-    model = load_pretrained(cfg.model, dtype=torch.float32)
+    model, processor = load_llava(cfg.model, TrainError, "fine-tuning supports", dtype=torch.float32)
     if cfg.mod is not None:
         try:
             apply_mod(model, cfg.mod_config(), part="language")

@@ -97,18 +97,17 @@ class LoadedModel:
 
 def load_model(path: str | Path, dense_path: str | Path | None = None, device: str = "cpu") -> LoadedModel:
     """Load a converted checkpoint (and a dense one to compare with) for the demo."""
-    from transformers import AutoProcessor
-
     import vlmod
+    from vlmod.hf import load_llava
 
     path = Path(path).expanduser()
-    model = vlmod.load_pretrained(path).to(device).eval()
+    model, processor = load_llava(path, ValueError, "the demo shows")
+    model = model.to(device).eval()
     if not vlmod.mod_layers(model):
         raise ValueError(
             f"{path} has no MoD layers, so there is no routing to show; convert it first "
             "(vlmod convert --model DIR --out DIR)"
         )
-    processor = AutoProcessor.from_pretrained(path)
     dense = None
     if dense_path is not None:
         dense_path = Path(dense_path).expanduser()
