@@ -10,23 +10,9 @@ processed tokens, compute by token position and type, PNG plots and a written ve
 
 All flags: `python scripts/audit_routing.py --help`.
 """
-
-import argparse
 import sys
 
-from vlmod.audit import add_audit_arguments, run_audit
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="audit_routing.py",
-        description="Compare a converted model's learned router with counterfactual and training-free "
-        "routers on one eval set, weights fixed.",
-    )
-    add_audit_arguments(parser)
-    args = parser.parse_args(argv)
-    return run_audit(args)
-
+from vlmod.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(['audit', *sys.argv[1:]]))

@@ -6,10 +6,9 @@
 
 All flags: `python scripts/evaluate.py --help`.
 """
-
 import sys
 
-from vlmod.eval import main
+from vlmod.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(['eval', *sys.argv[1:]]))

@@ -10,10 +10,9 @@ Resume an interrupted run at the same step, optimizer state and data position:
 
 All flags: `python scripts/finetune.py --help`.
 """
-
 import sys
 
-from vlmod.train import main
+from vlmod.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(['finetune', *sys.argv[1:]]))

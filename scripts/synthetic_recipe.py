@@ -6,24 +6,9 @@ fine-tune, router baselines) into one folder, with results.md / results.json: th
 
 All settings are flags (`--help`); the defaults are the README's run.
 """
-
-import argparse
 import sys
 
-from vlmod.bench import InputError
-from vlmod.recipe import add_recipe_arguments
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="synthetic_recipe.py", description=__doc__.split("\n\n")[0])
-    add_recipe_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return args.run(args)
-    except InputError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-
+from vlmod.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(['recipe', *sys.argv[1:]]))

@@ -3,9 +3,10 @@ on a tiny converted model and the synthetic set."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
+import runpy
+import sys
 from pathlib import Path
 
 import pytest
@@ -140,17 +141,17 @@ def test_refused_parts_go_back_to_their_own_router(converted, monkeypatch):
 
 # ---------------------------------------------------------------------------- the script and the command
 
-def test_audit_script_writes_json_and_plots(converted, tmp_path, capsys):
+def test_audit_script_writes_json_and_plots(converted, tmp_path, capsys, monkeypatch):
     model_dir, data = converted
-    spec = importlib.util.spec_from_file_location("audit_routing", ROOT / "scripts" / "audit_routing.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
     out = tmp_path / "audit.json"
-    rc = script.main([
-        "--model", str(model_dir), "--data", str(data), "--json", str(out), "--plots", str(tmp_path / "plots"),
-        "--batch-size", "4", "--max-new-tokens", "3", "--no-progress", "--device", "cpu",
+    script = ROOT / "scripts" / "audit_routing.py"
+    monkeypatch.setattr(sys, "argv", [
+        str(script), "--model", str(model_dir), "--data", str(data), "--json", str(out), "--plots",
+        str(tmp_path / "plots"), "--batch-size", "4", "--max-new-tokens", "3", "--no-progress", "--device", "cpu",
     ])
-    assert rc == 0
+    with pytest.raises(SystemExit) as done:
+        runpy.run_path(str(script), run_name="__main__")
+    assert done.value.code == 0
     report = json.loads(out.read_text())
     assert report["routers"] == list(audit.AUDIT_ROUTERS)
     for router in audit.AUDIT_ROUTERS:

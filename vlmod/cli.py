@@ -362,43 +362,60 @@ def add_rank_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
     return p
 
 
+def _module_command(
+    subparsers: SubParsers, name: str, add_arguments: Callable[[argparse.ArgumentParser], Any], help: str, description: str
+) -> argparse.ArgumentParser:
+    """A subcommand whose flags and run function live in its module (`add_arguments` sets `run`)."""
+    p = subparsers.add_parser(name, help=help, description=description)
+    add_arguments(p)
+    return p
+
+
 def add_finetune_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
     """`vlmod finetune`: fine-tune a (converted) LLaVA model; also `accelerate launch scripts/finetune.py`."""
     from vlmod.train import add_finetune_arguments
 
-    p = subparsers.add_parser(
-        "finetune",
+    return _module_command(
+        subparsers, "finetune", add_finetune_arguments,
         help="fine-tune a (MoD-converted) LLaVA model on LLaVA-format data",
         description="Fine-tune with Accelerate: routers only, routers + language model, LoRA, or full. "
         "Settings from --config YAML (configs/finetune/), flags override them.",
     )
-    return add_finetune_arguments(p)
 
 
 def add_eval_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
     """`vlmod eval`: accuracy against compute, optionally side by side with a dense model."""
     from vlmod.eval import add_evaluate_arguments
 
-    p = subparsers.add_parser(
-        "eval",
+    return _module_command(
+        subparsers, "eval", add_evaluate_arguments,
         help="evaluate accuracy, answer loss, processed fraction, FLOPs and latency on LLaVA-format QA data",
         description="Evaluate a (converted) LLaVA model; --compare puts a second model (the dense original) "
         "side by side in one table.",
     )
-    return add_evaluate_arguments(p)
+
+
+def add_recipe_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
+    """`vlmod recipe`: the synthetic recipe end to end (the README's Results)."""
+    from vlmod.recipe import add_recipe_arguments
+
+    return _module_command(
+        subparsers, "recipe", add_recipe_arguments,
+        help="the synthetic recipe: data, dense from scratch, ARank, convert, fine-tune, evaluate, baselines",
+        description="Run the offline synthetic recipe end to end into --out and write results.md / results.json.",
+    )
 
 
 def add_tiny_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
     """`vlmod tiny`: a random tiny LLaVA saved like a hub checkpoint (training from scratch, tests)."""
     from vlmod.tiny import add_tiny_arguments
 
-    p = subparsers.add_parser(
-        "tiny",
+    return _module_command(
+        subparsers, "tiny", add_tiny_arguments,
         help="write a randomly initialised tiny LLaVA model + processor (no download)",
         description="Write a tiny LLaVA-family model with an offline word-level tokenizer and processor: "
         "the starting point of the synthetic recipe.",
     )
-    return add_tiny_arguments(p)
 
 
 # ----------------------------------------------------------------------------- demo
@@ -449,14 +466,13 @@ def add_audit_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
     """`vlmod audit`: learned routing against counterfactual and training-free routers."""
     from vlmod.audit import add_audit_arguments
 
-    p = subparsers.add_parser(
-        "audit",
+    return _module_command(
+        subparsers, "audit", add_audit_arguments,
         help="compare the learned router with inverted / random / stride / attention routing",
         description="With the weights fixed, swap the router of a converted model at inference and report "
         "accuracy and answer loss for each, the cross-layer Jaccard agreement of processed tokens, compute "
         "by token position and type, PNG plots and a written verdict.",
     )
-    return add_audit_arguments(p)
 
 
 # ----------------------------------------------------------------------------- main
@@ -464,7 +480,7 @@ def add_audit_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
 # Top-level subcommands.
 COMMANDS: list[Callable[[SubParsers], argparse.ArgumentParser]] = [
     add_convert_parser, add_rank_parser, add_bench_parser, add_finetune_parser, add_eval_parser,
-    add_audit_parser, add_demo_parser, add_tiny_parser,
+    add_audit_parser, add_demo_parser, add_recipe_parser, add_tiny_parser,
 ]
 
 

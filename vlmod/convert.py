@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 from tqdm.auto import tqdm
 
+from vlmod.argtypes import read_yaml_mapping
 from vlmod.config import MoDConfig
 from vlmod.flops import DecoderDims, language_prefill_flops
 from vlmod.hf import load_config, model_class
@@ -45,15 +45,7 @@ class ConvertOptions:
 
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides: Any) -> ConvertOptions:
-        path = Path(path)
-        if not path.is_file():
-            raise ConvertError(f"config file {path} does not exist")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise ConvertError(f"{path} is not valid YAML: {err}") from None
-        if not isinstance(data, dict):
-            raise ConvertError(f"{path} must hold a mapping of option: value")
+        data = read_yaml_mapping(path, ConvertError)
         known = set(cls.__dataclass_fields__)
         unknown = set(data) - known
         if unknown:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import math
 import re
-import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -366,19 +365,6 @@ def run_evaluate(args: argparse.Namespace) -> int:
         write_json(args.json, {"data": str(args.data), "reports": [r.to_dict() for r in reports]})
         print(f"wrote {args.json}")
     return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    from vlmod.cli import EXIT_USAGE
-
-    parser = argparse.ArgumentParser(prog="evaluate.py", description="Accuracy against compute of LLaVA models, side by side.")
-    add_evaluate_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return args.run(args)
-    except InputError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
 
 
 __all__ = [

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from vlmod.argtypes import read_yaml_mapping
 from vlmod.bench import InputError, write_json
 from vlmod.config import MoDConfig
 
@@ -197,22 +198,6 @@ def _typed(key: str, value: Any, annotation: str) -> Any:
     except (TypeError, ValueError):
         pass
     raise TrainError(f"{key} must be {annotation.replace(' | None', ' or empty')}, got {value!r}")
-
-
-def read_yaml(path: str | Path) -> dict[str, Any]:
-    """A YAML mapping from `path`, with errors that name the file."""
-    import yaml
-
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise TrainError(f"config file {path} does not exist")
-    try:
-        data = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise TrainError(f"{path} is not valid YAML: {e}") from None
-    if not isinstance(data, dict):
-        raise TrainError(f"{path} must hold a mapping of settings, got {type(data).__name__}")
-    return data
 
 
 # ----------------------------------------------------------------------------- model
@@ -677,7 +662,7 @@ def add_finetune_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """The YAML of `--config` with the command-line overrides on top."""
-    settings = read_yaml(args.config) if args.config else {}
+    settings = read_yaml_mapping(args.config, TrainError) if args.config else {}
     for name in [o[0] for o in _OVERRIDES] + ["report_to", "gradient_checkpointing"]:
         value = getattr(args, name, None)
         if value is not None:
@@ -704,13 +689,6 @@ def run_finetune(args: argparse.Namespace) -> int:
         summary += f", routed fraction {result.routed_fraction:.3f}"
     print(f"{summary}; model saved to {result.model_dir}")
     return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="finetune.py", description="Fine-tune a (MoD-converted) LLaVA model with Accelerate.")
-    add_finetune_arguments(parser)
-    args = parser.parse_args(argv)
-    return args.run(args)
 
 
 __all__ = [
