@@ -3,7 +3,7 @@
 
     accelerate launch --config_file configs/accelerate/single_gpu.yaml scripts/finetune.py \\
         --config configs/finetune/llava-1.5-7b-mod.yaml
-    python scripts/finetune.py --config configs/finetune/synthetic-mod.yaml --max-steps 50
+    python scripts/finetune.py --config configs/finetune/synthetic-mod.yaml   # after `vlmod recipe`
 
 Resume an interrupted run at the same step, optimizer state and data position:
     accelerate launch ... scripts/finetune.py --config ... --resume latest

@@ -50,3 +50,18 @@ def test_reuse_dense_reruns_only_the_mod_stages(tmp_path: Path) -> None:
     assert again.row("dense")["accuracy"] == first.row("dense")["accuracy"]
     with pytest.raises(InputError, match="dense_steps"):
         run_recipe(tmp_path, dataclasses.replace(QUICK, dense_steps=4), progress=False, reuse_dense=True)
+
+
+def test_synthetic_finetune_configs_match_the_recipe() -> None:
+    """configs/finetune/synthetic-*.yaml are the recipe's training stages, written out."""
+    from vlmod.argtypes import read_yaml_mapping
+    from vlmod.train import TrainConfig, TrainError
+
+    root = Path(__file__).parents[1] / "configs" / "finetune"
+    s = RecipeSettings()
+    dense = TrainConfig.from_dict(read_yaml_mapping(root / "synthetic-dense.yaml", TrainError))
+    mod = TrainConfig.from_dict(read_yaml_mapping(root / "synthetic-mod.yaml", TrainError))
+    assert (dense.lr, dense.max_steps, dense.weight_decay, dense.batch_size) == (s.dense_lr, s.dense_steps, s.weight_decay, s.batch_size)
+    assert dense.trainable == "full" and dense.train_vision_tower
+    assert (mod.lr, mod.router_lr, mod.max_steps, mod.batch_size) == (s.mod_lr, s.router_lr, s.mod_steps, s.batch_size)
+    assert mod.trainable == "language" and not mod.train_vision_tower
