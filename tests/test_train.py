@@ -221,3 +221,13 @@ def test_two_process_data_parallel_run_is_the_standard_accelerate_path(workdir: 
     checkpoint = tmp_path / "ddp" / "checkpoints" / "step-1"
     assert {p.name for p in checkpoint.glob("random_states_*.pkl")} == {"random_states_0.pkl", "random_states_1.pkl"}
     assert vlmod.mod_layers(vlmod.load_pretrained(tmp_path / "ddp" / "model")) == {}
+
+
+def test_gradient_checkpointing_and_a_capacity_schedule_train(workdir: Path, tmp_path: Path) -> None:
+    mod = {"capacity": 0.5, "layers": [1, 2, 3], "routable": ["image"], "capacity_schedule": "cosine", "aux_loss": "bce"}
+    result = train(_cfg(workdir, tmp_path, mod=mod, gradient_checkpointing=True, max_steps=2), progress=False)
+    loaded = vlmod.load_pretrained(result.model_dir)
+    capacities = vlmod.mod_layers(loaded)
+    assert sorted(capacities) == [("language", 1), ("language", 2), ("language", 3)]
+    assert capacities[("language", 1)] > capacities[("language", 3)]
+    assert loaded.config.vlmod["language"]["aux_loss"] == "bce"
