@@ -99,14 +99,18 @@ def answer_losses(logits: Tensor, labels: Tensor) -> Tensor:
     return total / mask.sum(1).clamp_min(1)
 
 
-def routable_fractions(trace: Any, parts: Sequence[Any]) -> dict[str, tuple[float, float]]:
-    """{"part.layer": (routable tokens processed, routable tokens)} of a traced forward."""
-    routable = {p.name: torch.tensor([int(t) for t in p.config.routable_types]) for p in parts}
-    out: dict[str, tuple[float, float]] = {}
-    for (part, layer), processed in trace.processed.items():
-        types = trace.part_token_types(part)
-        mask = torch.isin(types, routable[part].to(types.device))
-        out[f"{part}.{layer}"] = (float((processed & mask).sum()), float(mask.sum()))
+def routable_counts(trace: Any, parts: Sequence[Any]) -> dict[str, Tensor]:
+    """{"part.layer": [routable tokens processed, routable tokens]} of a traced forward, as tensors
+    on the model's device: callers sum them over batches and read them once (no host sync here)."""
+    out: dict[str, Tensor] = {}
+    for part in parts:
+        types = trace.part_token_types(part.name)
+        routable = torch.tensor([int(t) for t in part.config.routable_types], device=types.device)
+        mask = torch.isin(types, routable)
+        total = mask.sum()
+        for (name, layer), processed in trace.processed.items():
+            if name == part.name:
+                out[f"{name}.{layer}"] = torch.stack([(processed & mask).sum(), total])
     return out
 
 
@@ -199,7 +203,7 @@ def evaluate(
     parts = find_parts(model)
     n = len(ds.records) if limit is None else min(limit, len(ds.records))
     samples: list[SampleResult] = []
-    routed: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    routed: dict[str, Tensor] = {}
     flops = dense_flops = seconds = 0.0
     failed: list[str] = []
     warmed_up = False
@@ -215,9 +219,8 @@ def evaluate(
         if parts:
             with trace_routing(model) as trace:
                 out = model(**batch)
-            for key, (done, total) in routable_fractions(trace, parts).items():
-                routed[key][0] += done
-                routed[key][1] += total
+            for key, counts in routable_counts(trace, parts).items():
+                routed[key] = routed[key] + counts if key in routed else counts
         else:
             out = model(**batch)
         losses = answer_losses(out.logits, batch["labels"]).tolist()
@@ -264,7 +267,7 @@ def evaluate(
         samples=samples,
         answer_loss=sum(s.answer_loss for s in samples) / len(samples),
         accuracy_by_type={t: sum(v) / len(v) for t, v in sorted(by_type.items())},
-        processed_fraction={k: done / total for k, (done, total) in routed.items() if total},
+        processed_fraction={k: c[0].item() / c[1].item() for k, c in routed.items() if c[1]},
         flops_per_sample=flops / len(samples),
         dense_flops_per_sample=dense_flops / len(samples),
         latency_s=seconds / len(samples),
@@ -379,6 +382,6 @@ __all__ = [
     "greedy_generate",
     "is_correct",
     "load_model",
-    "routable_fractions",
+    "routable_counts",
     "run_evaluate",
 ]

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from vlmod.argtypes import read_yaml_mapping
 from vlmod.bench import InputError, write_json
@@ -313,13 +313,12 @@ def load_dataset(path: str, processor: Any, cfg: TrainConfig) -> Any:
 # ----------------------------------------------------------------------------- metrics
 
 
-def routed_fraction(trace: Any, parts: Sequence[Any]) -> float | None:
-    """Fraction of routable tokens that ran their MoD layers in a traced forward (None: none)."""
-    from vlmod.eval import routable_fractions
+def routed_counts(trace: Any, parts: Sequence[Any]) -> Tensor:
+    """[routable tokens processed, routable tokens] over every MoD layer of a traced forward,
+    on the device: summed over steps and read at log time only."""
+    from vlmod.eval import routable_counts
 
-    counts = routable_fractions(trace, parts).values()
-    total = sum(t for _, t in counts)
-    return sum(d for d, _ in counts) / total if total else None
+    return torch.stack(list(routable_counts(trace, parts).values())).sum(0)
 
 
 @torch.no_grad()
@@ -548,7 +547,7 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
     history: list[dict[str, float]] = []
     loss_sum = torch.zeros((), device=accelerator.device)
     micro = 0
-    routed: list[float] = []
+    routed = torch.zeros(2, dtype=torch.long, device=accelerator.device)
     last: dict[str, float] = {}
     val_loss = None
     model.train()
@@ -560,9 +559,7 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
                 if parts:
                     with trace_routing(model) as trace:
                         out = model(**batch)
-                    fraction = routed_fraction(trace, parts)
-                    if fraction is not None:
-                        routed.append(fraction)
+                    routed += routed_counts(trace, parts).to(routed.device)
                 else:
                     out = model(**batch)
                 loss = out.loss
@@ -584,14 +581,16 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
                 if not math.isfinite(mean_loss):
                     raise TrainError(f"the loss became {mean_loss} by step {step}: lower lr, or use mixed_precision: no")
                 last = {"step": step, "loss": mean_loss, "lr": scheduler.get_last_lr()[0]}
-                if routed:
-                    last["skip_rate"] = 1.0 - sum(routed) / len(routed)
+                done, total = accelerator.reduce(routed, reduction="sum").tolist()
+                if total:
+                    last["skip_rate"] = 1.0 - done / total
                 history.append(last)
                 bar.set_postfix({k: f"{v:.3g}" for k, v in last.items() if k != "step"})
                 if cfg.report_to:
                     accelerator.log({f"train/{k}": v for k, v in last.items() if k != "step"}, step=step)
                 loss_sum.zero_()
-                micro, routed = 0, []
+                routed.zero_()
+                micro = 0
             if val_loader is not None and cfg.eval_steps and (step % cfg.eval_steps == 0 or step == total_steps):
                 val_loss = validation_loss(model, val_loader, accelerator)
                 history.append({"step": step, "val_loss": val_loss})
