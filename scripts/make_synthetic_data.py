@@ -11,21 +11,13 @@ The question types and answer vocabularies are described in `vlmod/data/syntheti
 All flags: `python scripts/make_synthetic_data.py --help`.
 """
 
-import argparse
 import sys
 
-from vlmod.data.synthetic import add_make_data_arguments, run_make_data
+from vlmod.cli import main as vlmod_main
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="make_synthetic_data.py",
-        description="Write a deterministic synthetic LLaVA-format image-text set (train.json, val.json, "
-        "images/; with --video also video_train.json, video_val.json, videos/) and meta.json.",
-    )
-    add_make_data_arguments(parser)
-    args = parser.parse_args(argv)
-    return run_make_data(args)
+    return vlmod_main(['data', 'synthetic', *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

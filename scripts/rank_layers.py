@@ -11,21 +11,13 @@ which layers to convert to MoD: `vlmod rank` as a script.
 All flags: `python scripts/rank_layers.py --help`.
 """
 
-import argparse
 import sys
 
-from vlmod.arank import add_rank_arguments, run_rank
+from vlmod.cli import main as vlmod_main
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="rank_layers.py",
-        description="Calibrate attention ranks per layer (ARank) on image-text data, write them as JSON "
-        "(and a PNG bar chart) with the suggested MoD layers.",
-    )
-    add_rank_arguments(parser)
-    args = parser.parse_args(argv)
-    return run_rank(args)
+    return vlmod_main(['rank', *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

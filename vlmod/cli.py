@@ -351,14 +351,28 @@ def add_rank_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
     """`vlmod rank`: ARank of each layer, and the layers it suggests converting."""
     from vlmod.arank import add_rank_arguments, run_rank
 
-    p = subparsers.add_parser(
-        "rank",
+    p = _module_command(
+        subparsers, "rank", add_rank_arguments,
         help="rank layers by the rank of their attention maps (ARank)",
         description="Calibrate a model on real inputs and rank its layers by attention-map rank: low rank "
         "means redundant, a good layer to convert.",
     )
-    add_rank_arguments(p)
     p.set_defaults(run=run_rank)
+    return p
+
+
+def add_data_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
+    """`vlmod data synthetic`: write the synthetic image-text set."""
+    from vlmod.data.synthetic import add_make_data_arguments
+
+    p = subparsers.add_parser("data", help="make datasets (the synthetic shapes set)",
+                              description="Write datasets vlmod can generate itself.")
+    sets = p.add_subparsers(dest="dataset", metavar="DATASET", required=True)
+    _module_command(
+        sets, "synthetic", add_make_data_arguments,
+        help="coloured shapes on textured backgrounds, with colour / shape / count / position questions",
+        description="Write the deterministic synthetic LLaVA-format QA set (and its video variant).",
+    )
     return p
 
 
@@ -480,7 +494,7 @@ def add_audit_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
 # Top-level subcommands.
 COMMANDS: list[Callable[[SubParsers], argparse.ArgumentParser]] = [
     add_convert_parser, add_rank_parser, add_bench_parser, add_finetune_parser, add_eval_parser,
-    add_audit_parser, add_demo_parser, add_recipe_parser, add_tiny_parser,
+    add_audit_parser, add_demo_parser, add_recipe_parser, add_data_parser, add_tiny_parser,
 ]
 
 
