@@ -240,13 +240,6 @@ def _generate(model: nn.Module, inputs: dict[str, Any], processor: Any, max_new_
     return tokenizer.batch_decode(new, skip_special_tokens=True)[0].strip(), seconds
 
 
-class _Prefill:
-    """The prefill step of a generate trace, in the shape `vlmod.bench.generation_flops` reads."""
-
-    def __init__(self, processed: dict[tuple[str, int], torch.Tensor]) -> None:
-        self.processed = processed
-
-
 def analyze(loaded: LoadedModel, media: Media, prompt: str, max_new_tokens: int = 16) -> dict[str, Any]:
     """Answer `prompt` about `media` with the MoD model (and the dense one when loaded) and describe
     what each MoD layer processed; see `vlmod.demo.app` for the JSON shape."""
@@ -266,7 +259,8 @@ def analyze(loaded: LoadedModel, media: Media, prompt: str, max_new_tokens: int 
             dense = {"answer": dense_answer, "latency_s": dense_s, "same_answer": dense_answer == answer}
     # The prefill step: [rows, tokens] masks; language has one row (one prompt), the vision tower
     # one per image tile or frame.
-    prefill = {k: processed.cpu() for k, (processed, _scores) in trace.steps[0].items()}
+    prefill_trace = trace.first_step()
+    prefill = {k: processed.cpu() for k, processed in prefill_trace.processed.items()}
     seq_len = inputs["input_ids"].shape[1]
     types = trace.part_token_types("language")[0, :seq_len].cpu()
     vision_types = trace.part_token_types("vision").cpu() if "vision" in loaded.mod_layers else None
@@ -302,7 +296,7 @@ def analyze(loaded: LoadedModel, media: Media, prompt: str, max_new_tokens: int 
         layer: int(prefill[("language", layer)][0, vision_positions].sum()) for layer in lang_mod
     }
     skipped = sum(n_vision - p for p in processed_by_layer.values())
-    flops_mod = generation_flops(model, inputs, _Prefill(prefill))
+    flops_mod = generation_flops(model, inputs, prefill_trace)
     flops_dense = generation_flops(model, inputs, None)
     stats: dict[str, Any] = {
         "vision_tokens": n_vision,

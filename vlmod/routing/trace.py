@@ -73,6 +73,14 @@ class RoutingTrace:
         part = "language" if "language" in self._types else next(iter(self._types), None)
         return None if part is None else self.part_token_types(part)
 
+    def first_step(self) -> RoutingTrace:
+        """A trace of the first traced forward only: the prefill of a `generate` call."""
+        first = RoutingTrace()
+        if self.steps:
+            first.steps = [self.steps[0]]
+            first._types = {part: chunks[:1] for part, chunks in self._types.items()}
+        return first
+
     def part_token_types(self, part: str) -> Tensor:
         return self._cat(self._types[part], "token_types")
 
