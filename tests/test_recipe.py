@@ -41,7 +41,7 @@ def test_reuse_dense_reruns_only_the_mod_stages(tmp_path: Path) -> None:
 
     import pytest
 
-    from vlmod.bench import InputError
+    from vlmod.errors import InputError
 
     first = run_recipe(tmp_path, QUICK, progress=False, log=lambda _: None)
     again = run_recipe(tmp_path, dataclasses.replace(QUICK, mod_steps=1), progress=False, log=lambda _: None,

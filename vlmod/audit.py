@@ -37,8 +37,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from vlmod.bench import InputError
 from vlmod.config import TokenType
+from vlmod.errors import InputError
 from vlmod.routing.api import set_router
 from vlmod.routing.trace import find_parts, trace_routing
 
@@ -537,9 +537,9 @@ def _run_audit(args: argparse.Namespace) -> int:
     from transformers import AutoProcessor
 
     import vlmod
-    from vlmod.bench import write_json
     from vlmod.data import DataError
     from vlmod.eval import check_checkpoint
+    from vlmod.fileio import write_json
 
     routers = [r.strip() for r in args.routers.split(",") if r.strip()]
     unknown = [r for r in routers if r not in AUDIT_ROUTERS]

@@ -11,7 +11,6 @@ The helpers at the top (timing, JSON output, tables) are shared by every benchma
 from __future__ import annotations
 
 import copy
-import json
 import os
 import statistics
 import tempfile
@@ -25,15 +24,10 @@ import torch
 from torch import nn
 
 import vlmod
+from vlmod.errors import InputError
 from vlmod.flops import ViTDims, processed_counts, vit_flops
 
 SOURCES = ("timm", "open_clip")
-
-
-class InputError(ValueError):
-    """A benchmark was asked for something that cannot be run (unknown model, capacity outside
-    (0, 1], layer out of range). The CLI reports it as one `error:` line; a ValueError from
-    deeper down is a bug and keeps its traceback."""
 
 
 # ----------------------------------------------------------------------------- shared helpers
@@ -146,37 +140,6 @@ def robust_repeats(timings: Mapping[str, Timings]) -> tuple[list[int], bool]:
 def time_fn(fn: Callable[[], Any], warmup: int = 3, repeats: int = 10) -> float:
     """Median seconds per call of one function (see `time_interleaved`)."""
     return time_interleaved({"fn": fn}, warmup, repeats)["fn"].median()
-
-
-def write_json(path: str | os.PathLike[str], data: Any) -> None:
-    """Write `data` as JSON atomically: a temp file in the same directory, then `os.replace`, so a
-    reader (or a crash mid-write) never sees a half-written file, and an old result is replaced
-    only by a complete new one."""
-    path = Path(path)
-    directory = path.parent if str(path.parent) else Path(".")
-    directory.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        # mkstemp creates the file 0600; give it the mode a plain open() would have.
-        os.chmod(tmp, _default_file_mode())
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2, sort_keys=False)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-
-
-def _default_file_mode() -> int:
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask
 
 
 def load_average() -> list[float] | None:

@@ -22,7 +22,6 @@ from vlmod.argtypes import non_negative_int, positive_int
 from vlmod.bench import (
     LLAVA_PRESETS,
     VIDEO_PRESETS,
-    InputError,
     bench_llava,
     bench_video,
     bench_vit,
@@ -30,9 +29,10 @@ from vlmod.bench import (
     format_video_result,
     format_vit_result,
     parse_layers,
-    write_json,
 )
 from vlmod.config import ROUTERS
+from vlmod.errors import InputError
+from vlmod.fileio import write_json
 
 EXIT_USAGE = 2
 

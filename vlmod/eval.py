@@ -24,8 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from vlmod.bench import InputError, format_table, generation_flops, write_json
+from vlmod.bench import format_table, generation_flops
 from vlmod.data.collate import IGNORE_INDEX, normalize_answer
+from vlmod.errors import InputError
+from vlmod.fileio import write_json
 
 _OPTION = re.compile(r"^\(?([A-Ea-e])\)?[.:)]?$")
 # A capital letter, or a lowercase one set off as an option ("(b)", "b.", "b" alone): so "a red

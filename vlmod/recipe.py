@@ -31,7 +31,8 @@ from typing import Any
 import torch
 
 from vlmod.argtypes import fraction, non_negative_int, positive_int
-from vlmod.bench import InputError, write_json
+from vlmod.errors import InputError
+from vlmod.fileio import write_json
 
 
 @dataclass

@@ -203,7 +203,7 @@ def add_tiny_arguments(parser: Any) -> Any:
 
 
 def run_tiny(args: Any) -> int:
-    from vlmod.bench import InputError
+    from vlmod.errors import InputError
 
     if args.width % args.heads or args.heads % args.kv_heads:
         raise InputError(

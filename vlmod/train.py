@@ -44,8 +44,9 @@ import torch
 from torch import Tensor, nn
 
 from vlmod.argtypes import read_yaml_mapping
-from vlmod.bench import InputError, write_json
 from vlmod.config import MoDConfig
+from vlmod.errors import InputError
+from vlmod.fileio import write_json
 
 TRAINABLE = ("router", "language", "lora", "full")
 SCHEDULERS = ("cosine", "linear", "constant")

@@ -1,0 +1,52 @@
+"""Atomic file writes: a reader (or a crash mid-write) never sees a half-written file."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def default_file_mode() -> int:
+    """The mode a plain `open()` would give a new file under the current umask."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write `data` to `path` through a temp file in the same directory and `os.replace`, so an
+    old file is replaced only by a complete new one."""
+    path = Path(path)
+    directory = path.parent if str(path.parent) else Path(".")
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        # mkstemp creates the file 0600; give it the mode a plain open() would have.
+        os.chmod(tmp, default_file_mode())
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def write_text(path: str | os.PathLike[str], text: str) -> None:
+    """`write_bytes_atomic` of UTF-8 text."""
+    write_bytes_atomic(path, text.encode("utf-8"))
+
+
+def write_json(path: str | os.PathLike[str], data: Any) -> None:
+    """Write `data` as indented JSON, atomically."""
+    write_text(path, json.dumps(data, indent=2, sort_keys=False) + "\n")
+
+
+__all__ = ["default_file_mode", "write_bytes_atomic", "write_json", "write_text"]
