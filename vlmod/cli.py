@@ -169,8 +169,14 @@ def add_bench_llava_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
     source.add_argument(
         "--preset", choices=sorted(LLAVA_PRESETS), default="llava-1.5", help="model built from config (default: llava-1.5)"
     )
-    p.add_argument("--capacity", type=_capacity, default=0.5, help="fraction of image tokens per MoD layer (default: 0.5)")
-    p.add_argument("--layers", type=_layers, default="every_other", help="every_other | all | comma list (default: every_other)")
+    p.add_argument(
+        "--capacity", type=_capacity, default=None,
+        help="fraction of image tokens per MoD layer (default: 0.5; a converted --model is measured with its own)",
+    )
+    p.add_argument(
+        "--layers", type=_layers, default=None,
+        help="every_other | all | comma list (default: every_other; a converted --model is measured with its own)",
+    )
     p.add_argument("--batch", type=positive_int, default=1, help="prompts per batch (default: 1)")
     p.add_argument("--new-tokens", type=positive_int, default=16, help="tokens to generate (default: 16)")
     _add_timing_arguments(p, warmup=1, repeats=5)
@@ -210,10 +216,14 @@ def add_bench_video_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
     p.add_argument("--video", default=None, help="video file (default: a generated 3 s clip)")
     p.add_argument("--frames", type=positive_int, default=8, help="frames sampled uniformly from the clip (default: 8)")
     p.add_argument("--batch", type=positive_int, default=1, help="clips per batch (default: 1)")
-    p.add_argument("--capacity", type=_capacity, default=0.5, help="fraction of video tokens per MoD layer (default: 0.5)")
+    p.add_argument(
+        "--capacity", type=_capacity, default=None,
+        help="fraction of video tokens per MoD layer (default: 0.5; a converted --model is measured with its own)",
+    )
     p.add_argument(
         "--layers", type=_layers, default=None,
-        help="every_other | all | comma list (default: every layer but the first two and the last)",
+        help="every_other | all | comma list (default: every layer but the first two and the last; "
+        "a converted --model is measured with its own)",
     )
     p.add_argument("--new-tokens", type=positive_int, default=16, help="tokens to generate (default: 16)")
     _add_timing_arguments(p, warmup=1, repeats=5)

@@ -271,18 +271,33 @@ def decoder_layer_flops(dims: DecoderDims, n_query: float, n_key: float) -> floa
 
 
 def language_prefill_flops(
-    dims: DecoderDims, n_tokens: float, processed_counts_per_layer: Mapping[int, float] | None = None
+    dims: DecoderDims,
+    n_tokens: float,
+    processed_counts_per_layer: Mapping[int, float] | None = None,
+    causal: bool = False,
 ) -> float:
     """FLOPs of a prefill of `n_tokens` tokens through the language backbone (the LM head on the
     last token only, as in generation). MoD layers run their processed tokens, which attend to each
-    other only, plus the router on every token."""
+    other only, plus the router on every token.
+
+    causal: count only the attention scores a causal kernel computes (each of n queries sees
+    (n + 1) / 2 keys on average) instead of the full n x n square a dense-mask kernel computes.
+    The prefill kernels used in practice (sdpa with is_causal, flash) skip the masked half, and
+    attention shrinks quadratically under MoD while the linears shrink linearly, so the full-square
+    count overstates MoD's gain wherever attention is a large share of a layer (at width 512 and
+    ~1190 tokens, ~28% of the counted FLOPs; at width 4096, ~5%)."""
     counts = dict(processed_counts_per_layer or {})
+
+    def keys(n: float) -> float:
+        return (n + 1) / 2 if causal else n
+
     total = 0.0
     for layer in range(dims.layers):
         if layer in counts:
-            total += decoder_layer_flops(dims, counts[layer], counts[layer]) + router_flops(n_tokens, dims.dim)
+            n = counts[layer]
+            total += decoder_layer_flops(dims, n, keys(n)) + router_flops(n_tokens, dims.dim)
         else:
-            total += decoder_layer_flops(dims, n_tokens, n_tokens)
+            total += decoder_layer_flops(dims, n_tokens, keys(n_tokens))
     return total + linear_flops(1, dims.dim, dims.vocab)
 
 
@@ -300,3 +315,38 @@ def hf_vision_dims(vision_config: object) -> ViTDims:
         num_prefix=1 if "clip" in vision_config.model_type else 0,
         patch_dim=getattr(vision_config, "num_channels", 3) * patch * patch,
     )
+
+
+def vision_images(inputs: Mapping[str, object]) -> int:
+    """How many pictures (images, anyres tiles, video frames) the vision tower encodes for a batch
+    of processor outputs."""
+    n = 0
+    for key in ("pixel_values", "pixel_values_videos"):
+        value = inputs.get(key)
+        if isinstance(value, Tensor):
+            n += value.shape[0] * (value.shape[1] if value.dim() == 5 else 1)
+    return n
+
+
+def generation_flops(model: nn.Module, inputs: Mapping[str, object], trace: object | None) -> dict[str, float]:
+    """Prefill FLOPs per sequence of a LLaVA model on a batch of processor outputs: the vision
+    tower (every picture) and the language backbone, counted as a dense-mask kernel computes
+    attention ("language", "total") and as a causal kernel does ("language_causal",
+    "total_causal"; see `language_prefill_flops`). `trace`: a `RoutingTrace` of that prefill for a
+    MoD model, None for a dense one."""
+    batch = inputs["input_ids"].shape[0]
+    processed = trace.processed if trace is not None else {}
+    vision = vit_flops(hf_vision_dims(model.config.vision_config), processed_counts(processed, "vision"))
+    vision *= vision_images(inputs) / batch
+    tokens = float(inputs["attention_mask"].sum(1, dtype=torch.float64).mean())
+    dims = DecoderDims.from_config(model.config.text_config)
+    counts = processed_counts(processed, "language")
+    language = language_prefill_flops(dims, tokens, counts)
+    causal = language_prefill_flops(dims, tokens, counts, causal=True)
+    return {
+        "vision": vision,
+        "language": language,
+        "total": vision + language,
+        "language_causal": causal,
+        "total_causal": vision + causal,
+    }

@@ -1,0 +1,205 @@
+"""Plain-text reports of the benchmarks: one table per result, the speedups against their FLOPs
+predictions, and a warning wherever the machine was contended."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A plain-text table: first column left-aligned, the others right-aligned."""
+    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+
+    def line(row: Sequence[str]) -> str:
+        return "  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        ).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(cells[0]), rule, *(line(r) for r in cells[1:])])
+
+
+def signed_percent(change: float) -> str:
+    """A relative change as "-22.5%" / "+4.8%" / "0.0%" (never "--4.8%")."""
+    return f"{100 * change:+.1f}%" if round(100 * change, 1) else "0.0%"
+
+
+def _threads(n: int) -> str:
+    return f"{n} thread{'' if n == 1 else 's'}"
+
+
+def describe_layers(mod_layers: Mapping[str, float]) -> str:
+    """{"language:3": 0.5, ...} -> "language 2-30 at capacity 0.5" (per part, runs of indices
+    collapsed, several capacities listed as a range)."""
+    parts: dict[str, list[tuple[int, float]]] = {}
+    for key, capacity in mod_layers.items():
+        part, index = key.rsplit(":", 1)
+        parts.setdefault(part, []).append((int(index), float(capacity)))
+    out = []
+    for part, entries in parts.items():
+        entries.sort()
+        indices = [i for i, _ in entries]
+        caps = sorted({c for _, c in entries})
+        contiguous = len(indices) > 2 and indices == list(range(indices[0], indices[-1] + 1))
+        span = f"{indices[0]}-{indices[-1]}" if contiguous else ",".join(map(str, indices))
+        cap = f"{caps[0]:g}" if len(caps) == 1 else f"{caps[-1]:g}..{caps[0]:g}"
+        out.append(f"{part} {span} at capacity {cap}")
+    return "; ".join(out) or "none"
+
+
+def _contention_lines(result: Mapping[str, Any]) -> list[str]:
+    lines = []
+    hint = "on an idle machine" + (" or with --threads 1" if result.get("threads", 1) > 1 else "")
+    for stage, c in (result.get("contention") or {}).items():
+        if c["contended"]:
+            lines.append(
+                f"warning: {stage} figures are unreliable: {c['reason']}. Other jobs distort a comparison "
+                f"(against the model with more, smaller ops); rerun {hint}."
+            )
+    return lines
+
+
+def format_vit_result(result: Mapping[str, Any]) -> str:
+    """The plain-text report of `bench_vit`."""
+    rows = []
+    for name, label in (("dense", "dense"), ("mod", "MoD")):
+        r = result[name]
+        rows.append(
+            [
+                label,
+                f"{r['images_per_s']:.2f}",
+                f"{r['latency_s'] * 1e3:.1f}",
+                f"{r['flops_per_image'] / 1e9:.2f}",
+            ]
+        )
+    layers = ",".join(map(str, result["mod_layers"]))
+    counts = sorted(set(round(c, 2) for c in result["processed_tokens"].values()))
+    header = (
+        f"{result['model']} ({result['source']}), batch {result['batch']}, "
+        f"{result['image_size'][0]}x{result['image_size'][1]}, capacity {result['capacity']:g} on "
+        f"{len(result['mod_layers'])} MoD layers ({layers}: "
+        f"{'/'.join(f'{c:g}' for c in counts)} of {result['tokens']} tokens), "
+        f"torch {result['torch']}, {_threads(result['threads'])}, "
+        f"median of {len(result['timed_repeats'])}/{result['repeats']} repeats"
+    )
+    table = format_table(["model", "images/s", "latency ms", "GFLOPs/image"], rows)
+    summary = (
+        f"predicted speedup {result['predicted_speedup']:.3f}x  "
+        f"measured {result['speedup']:.3f}x  "
+        f"efficiency {result['efficiency']:.3f}  "
+        f"(paired-repeat speedup {result['speedup_paired']:.3f}x)"
+    )
+    lines = [header, table, summary, *_contention_lines(result)]
+    left_out = result["repeats"] - len(result["timed_repeats"])
+    if left_out and not result["contended"]:
+        lines.append(f"note: {left_out} repeats ran while other jobs held the CPU and were left out of the medians")
+    return "\n".join(lines)
+
+
+def _decode(r: Mapping[str, Any]) -> str:
+    return "-" if r.get("decode_tokens_per_s") is None else f"{r['decode_tokens_per_s']:.1f}"
+
+
+def _mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.2f}"
+
+
+def _speedup(x: float | None, digits: int = 3) -> str:
+    return "-" if x is None else f"{x:.{digits}f}x"
+
+
+def generation_summary(result: Mapping[str, Any], label: str = "predicted prefill speedup") -> str:
+    """Prefill against both FLOPs predictions, decode, KV cache and peak memory."""
+    peak = result.get("peak_memory_change")
+    return (
+        f"{label} {result['predicted_speedup']:.3f}x  measured {result['prefill_speedup']:.3f}x  "
+        f"efficiency {result['prefill_efficiency']:.3f}\n"
+        f"  attention counted as a causal kernel computes it: predicted "
+        f"{result['predicted_speedup_causal_attention']:.3f}x  efficiency "
+        f"{result['prefill_efficiency_causal_attention']:.3f}\n"
+        f"decode (per step, inside generate): {_speedup(result['decode_speedup'])}  "
+        f"KV cache {signed_percent(-result['kv_cache_reduction'])}  "
+        f"peak memory of generate {'-' if peak is None else signed_percent(peak)}"
+    )
+
+
+def format_generation_result(result: Mapping[str, Any]) -> str:
+    """The plain-text report of `bench_llava`."""
+    rows = []
+    for name, label in (("dense", "dense"), ("mod", "MoD")):
+        r = result[name]
+        rows.append(
+            [
+                label,
+                f"{r['prefill_s'] * 1e3:.1f}",
+                "-" if r["decode_step_s"] is None else f"{r['decode_step_s'] * 1e3:.2f}",
+                _decode(r),
+                _mib(r["kv_cache_bytes"]),
+                _mib(r["peak_memory_bytes"]),
+                f"{r['flops'] / 1e9:.2f}",
+            ]
+        )
+    header = (
+        f"{result['model']}: batch {result['batch']}, {result['image_tokens']} vision + "
+        f"{result['prompt_tokens']} text tokens, MoD: {describe_layers(result['mod_layers'])} "
+        f"({result['mod_source']}), {result['new_tokens']} new tokens, torch {result['torch']}, "
+        f"{_threads(result['threads'])}"
+    )
+    table = format_table(
+        ["model", "prefill ms", "decode ms/step", "decode tok/s", "KV cache MiB", "peak MiB", "GFLOPs/seq"], rows
+    )
+    lines = [header, table, generation_summary(result), *_contention_lines(result)]
+    if result["decode_speedup"] is None:
+        lines.append("note: with --new-tokens 1 there is no decode step to time (the first token ends the prefill)")
+    return "\n".join(lines)
+
+
+def format_video_result(result: Mapping[str, Any]) -> str:
+    """The plain-text report of `bench_video`: throughput, where the time goes, and the prefill
+    speedup against its FLOPs predictions."""
+    rows = []
+    for name, label in (("dense", "dense"), ("mod", "MoD")):
+        r = result[name]
+        split = r["time_split"]
+        rows.append(
+            [
+                label,
+                f"{r['frames_per_s']:.2f}",
+                f"{r['end_to_end_s'] * 1e3:.0f}",
+                f"{split['decode_video_s'] * 1e3:.1f}",
+                f"{split['preprocess_s'] * 1e3:.1f}",
+                f"{split['first_token_s'] * 1e3:.0f}",
+                f"{r['prefill_s'] * 1e3:.0f}",
+                "-" if r["decode_step_s"] is None else f"{r['decode_step_s'] * 1e3:.2f}",
+                _decode(r),
+                _mib(r["kv_cache_bytes"]),
+                _mib(r["peak_memory_bytes"]),
+                f"{r['flops'] / 1e9:.4g}",
+            ]
+        )
+    header = (
+        f"{result['model']}: {result['video']}; batch {result['batch']} x {result['frames']} frames, "
+        f"{result['video_tokens']} video + {result['prompt_tokens']} text tokens per sequence, "
+        f"MoD: {describe_layers(result['mod_layers'])} of {result['language_layers']} language layers "
+        f"({result['mod_source']}), {result['new_tokens']} new tokens, torch {result['torch']}, "
+        f"{_threads(result['threads'])}, median of {len(result['timed_repeats']['end_to_end'])}/"
+        f"{result['repeats']} repeats"
+    )
+    table = format_table(
+        [
+            "model", "frames/s", "end-to-end ms", "decode video ms", "preprocess ms", "first token ms",
+            "prefill ms", "decode ms/step", "decode tok/s", "KV cache MiB", "peak MiB", "GFLOPs/seq",
+        ],
+        rows,
+    )
+    summary = (
+        f"{generation_summary(result, 'prefill (vision + language): predicted speedup')}\n"
+        f"end to end: {result['speedup']:.3f}x frames/s  video decoding alone: "
+        f"{result['decode_only_frames_per_s']:.1f} frames/s"
+    )
+    lines = [header, table, summary, *_contention_lines(result)]
+    if result["decode_speedup"] is None:
+        lines.append("note: with --new-tokens 1 there is no decode step to time (the first token ends the prefill)")
+    return "\n".join(lines)

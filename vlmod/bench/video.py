@@ -1,0 +1,262 @@
+"""`bench video`: dense vs MoD video question answering, end to end (decode the clip's frames,
+preprocess them, vision tower, prefill, generation), with the prefill against its FLOPs
+predictions and decode timed per step inside generate."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import vlmod
+from vlmod.bench.generation import (
+    CPU_7B_SHAPES,
+    DEFAULT_CAPACITY,
+    TINY_SHAPES,
+    StepClock,
+    build_pair,
+    decode_figures,
+    generation_footprint,
+    prompt_counts,
+    speedups,
+)
+from vlmod.bench.inputs import parse_layers, prompt_text, synthetic_clip
+from vlmod.bench.timing import contention, load_average, peak_memory_bytes, set_threads, time_interleaved
+from vlmod.errors import InputError
+
+# LLaVA-NeXT-Video-7B's token shapes: a 336 px CLIP tower with 14 px patches (24 x 24 = 576 patches
+# per frame) pooled 2 x 2 (spatial_pool_stride=2) to 144 tokens per frame, a ~40-token prompt,
+# 32 decoder layers with Llama's MLP ratio 11008/4096, at a width that runs on a laptop CPU (8
+# frames: a prefill of ~1190 tokens in a few seconds). The vision tower is kept small, as in the
+# LLaVA preset. "tiny" and "tiny-onevision" are for tests (seconds to build and run).
+VIDEO_PRESETS: dict[str, dict[str, Any]] = {
+    "llava-next-video-7b": dict(family="llava_next_video", **CPU_7B_SHAPES, prompt_tokens=35),
+    "tiny": dict(family="llava_next_video", **TINY_SHAPES),
+    "tiny-onevision": dict(family="llava_onevision", **TINY_SHAPES),
+}
+# Prompt words for a checkpoint (`--model`): about the prompt length of the preset.
+VIDEO_PROMPT_WORDS = 35
+STAGES = ("decode_video_s", "preprocess_s", "generate_s", "first_token_s", "decode_steps_s")
+
+
+def default_video_layers(num_layers: int) -> list[int]:
+    """Every decoder layer but the first two and the last: the layers whose vision tokens are the
+    most redundant (the first layers mix them into the text, the last one feeds the LM head)."""
+    return list(range(2, num_layers - 1))
+
+
+def _load_clip(path: Path, frames: int) -> Any:
+    from vlmod.video import VideoError, load_video
+
+    try:
+        return load_video(path, num_frames=frames)
+    except (FileNotFoundError, VideoError) as e:
+        raise InputError(str(e)) from None
+
+
+def _check_video_checkpoint(model: str) -> None:
+    """Refuse an image-only checkpoint from its config, before its weights are loaded."""
+    from vlmod.hf import load_config, model_class
+
+    try:
+        config = load_config(model)
+        name = model_class(config).__name__
+    except (FileNotFoundError, TypeError) as e:
+        raise InputError(str(e)) from e
+    if getattr(config, "video_token_id", None) is None:
+        raise InputError(
+            f"{model} is a {name}, which takes no video; use a LlavaNextVideo or LlavaOnevision checkpoint"
+        )
+
+
+def _describe_clip(path: Path) -> str:
+    from vlmod.video import load_video
+
+    info = load_video(path, num_frames=1)
+    height, width = info.frames.shape[1:3]
+    return f"{info.total_frames} frames, {width}x{height}, {info.fps:g} fps"
+
+
+def bench_video(
+    model: str | None = None,
+    preset: str | None = "llava-next-video-7b",
+    video: str | os.PathLike[str] | None = None,
+    frames: int = 8,
+    batch: int = 1,
+    capacity: float | None = None,
+    layers: str | Sequence[int] | None = None,
+    new_tokens: int = 16,
+    warmup: int = 1,
+    repeats: int = 5,
+    threads: int | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Dense vs MoD video question answering, end to end.
+
+    Why end to end: video is where MoD pays most (8 frames x 144 tokens dwarf the prompt), but
+    what a user gets is frames/s of the whole pipeline, and decoding and preprocessing do not
+    shrink. So the result gives both: `speedup` (end-to-end frames/s, MoD over dense) and
+    `prefill_speedup` against `predicted_speedup` (the FLOPs ratio of vision tower + language
+    prefill), the time split, decode per step, and the frames/s of video decoding alone.
+
+    capacity / layers: how to convert a preset or a plain checkpoint (None: 0.5 on every decoder
+        layer but the first two and the last). A checkpoint saved converted is measured with its
+        own MoD layers. video: a file, or None for a generated clip (`synthetic_clip`).
+    """
+    try:
+        if capacity is not None or layers is not None:
+            vlmod.MoDConfig(
+                capacity=DEFAULT_CAPACITY if capacity is None else capacity,
+                layers="all" if layers is None else parse_layers(layers),
+            )
+        if min(frames, batch, new_tokens) < 1:
+            raise ValueError(f"frames, batch and new_tokens must be >= 1, got {frames}, {batch} and {new_tokens}")
+        if repeats < 1 or warmup < 0:
+            raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
+        num_threads = set_threads(threads)
+    except ValueError as e:
+        raise InputError(str(e)) from e
+    if model is None and preset not in VIDEO_PRESETS:
+        raise InputError(f"unknown video preset {preset!r}; choose one of {sorted(VIDEO_PRESETS)}")
+    with tempfile.TemporaryDirectory(prefix="vlmod-video-") as tmp:
+        if video is None:
+            path = synthetic_clip(Path(tmp) / "clip.mp4")
+            source = f"generated {path.name} ({_describe_clip(path)})"
+        else:
+            path = Path(video)
+            source = str(video)
+        clip = _load_clip(path, frames)  # bad files fail here, before any model is built
+        if model is not None:
+            _check_video_checkpoint(model)
+        dense, mod, processor, words, mod_source = build_pair(
+            model, preset, VIDEO_PRESETS, capacity, layers, default_layers=default_video_layers
+        )
+        if model is not None:
+            words = VIDEO_PROMPT_WORDS
+        if getattr(processor, "video_processor", None) is None:
+            raise InputError(f"the processor of {model} has no video processor: it cannot prepare video inputs")
+        result = _time_video(dense, mod, processor, path, clip, words, batch, new_tokens, warmup, repeats, progress)
+    result.update(
+        benchmark="video",
+        model=model or f"preset:{preset}",
+        video=source,
+        frames_requested=frames,
+        batch=batch,
+        mod_layers={f"{p}:{i}": c for (p, i), c in vlmod.mod_layers(mod).items()},
+        mod_source=mod_source,
+        language_layers=dense.config.text_config.num_hidden_layers,
+        new_tokens=new_tokens,
+        warmup=warmup,
+        repeats=repeats,
+        torch=torch.__version__,
+        threads=num_threads,
+        load_average=load_average(),
+    )
+    return result
+
+
+def _time_video(
+    dense: nn.Module,
+    mod: nn.Module,
+    processor: Any,
+    path: Path,
+    clip: Any,
+    words: int,
+    batch: int,
+    new_tokens: int,
+    warmup: int,
+    repeats: int,
+    progress: bool,
+) -> dict[str, Any]:
+    """The timed part of `bench_video` (models built, clip checked)."""
+    from transformers import LogitsProcessorList
+
+    from vlmod.video import load_video
+
+    conversation = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": prompt_text(words)}]}]
+    text = processor.apply_chat_template(conversation, add_generation_prompt=True)
+    num_frames = len(clip.frames)
+    dtype = next(dense.parameters()).dtype
+
+    def preprocess(videos: list[Any]) -> dict[str, Any]:
+        out = processor(videos=videos, text=[text] * batch, return_tensors="pt", padding=True)
+        return {k: v.to(dtype) if v.is_floating_point() else v for k, v in out.items()}
+
+    inputs = preprocess([clip.frames] * batch)
+    flops, kv = generation_footprint(dense, mod, inputs)
+    tokenizer = getattr(processor, "tokenizer", processor)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    gen = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad)
+    models = {"dense": dense, "mod": mod}
+    stages: dict[str, list[tuple[float, ...]]] = {name: [] for name in models}
+    clocks = {name: StepClock() for name in models}
+
+    def pipeline(name: str) -> None:
+        t0 = time.perf_counter()
+        videos = [load_video(path, num_frames=num_frames).frames for _ in range(batch)]
+        t1 = time.perf_counter()
+        batch_inputs = preprocess(videos)
+        clocks[name].start()
+        t2 = time.perf_counter()
+        models[name].generate(**batch_inputs, **gen, logits_processor=LogitsProcessorList([clocks[name]]))
+        t3 = time.perf_counter()
+        ticks = clocks[name].calls[-1]
+        stages[name].append((t1 - t0, t2 - t1, t3 - t2, ticks[1] - t2, ticks[-1] - ticks[1]))
+
+    decode_video = time_interleaved(
+        {"decode": lambda: load_video(path, num_frames=num_frames)}, warmup=warmup, repeats=repeats
+    )["decode"]
+    prefill = time_interleaved(
+        {n: (lambda m=m: m(**inputs, use_cache=True, logits_to_keep=1)) for n, m in models.items()},
+        warmup=warmup, repeats=repeats, progress="prefill dense/MoD" if progress else None,
+    )
+    end_to_end = time_interleaved(
+        {n: (lambda n=n: pipeline(n)) for n in models},
+        warmup=warmup, repeats=repeats, progress="end to end dense/MoD" if progress else None,
+    )
+    prefill_judged = contention(prefill)
+    decode, e2e_judged, paired = decode_figures(clocks, end_to_end, repeats, batch)
+    used = e2e_judged.clean_repeats
+    peaks = {n: peak_memory_bytes(lambda m=m: m.generate(**inputs, **gen)) for n, m in models.items()}
+    result: dict[str, Any] = {}
+    for name in models:
+        picked = [stages[name][-repeats:][i] for i in used]
+        split = {stage: statistics.median(s[k] for s in picked) for k, stage in enumerate(STAGES)}
+        latency = end_to_end[name].median(used)
+        result[name] = {
+            "frames_per_s": batch * num_frames / latency,
+            "end_to_end_s": latency,
+            "prefill_s": prefill[name].median(prefill_judged.clean_repeats),
+            **decode[name],
+            "kv_cache_bytes": kv[name],
+            "peak_memory_bytes": peaks[name],
+            "flops": flops[name]["total"],
+            "flops_vision": flops[name]["vision"],
+            "flops_language": flops[name]["language"],
+            "flops_causal_attention": flops[name]["total_causal"],
+            "time_split": split,
+            "end_to_end_samples_s": end_to_end[name].wall_s,
+            "prefill_samples_s": prefill[name].wall_s,
+        }
+    video_tokens, prompt_tokens = prompt_counts(inputs, dense.config.video_token_id)
+    result.update(speedups(result, flops, kv))
+    result.update(
+        frames=num_frames,
+        video_tokens=video_tokens,
+        prompt_tokens=prompt_tokens,
+        speedup=result["mod"]["frames_per_s"] / result["dense"]["frames_per_s"],
+        decode_speedup_paired=paired,
+        decode_only_frames_per_s=num_frames / decode_video.median(),
+        decode_only_s=decode_video.median(),
+        contended=prefill_judged.contended or e2e_judged.contended,
+        contention={"prefill": prefill_judged.as_dict(), "end to end and decode": e2e_judged.as_dict()},
+        timed_repeats={"prefill": prefill_judged.clean_repeats, "end_to_end": used},
+    )
+    return result
