@@ -4,6 +4,7 @@ mistake everywhere."""
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,56 @@ def fraction(text: str) -> float:
     if not 0.0 < value <= 1.0:
         raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text}")
     return value
+
+
+def finite_float(text: str) -> float:
+    """Any finite number (not nan, not inf)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0: sizes in MB, epochs, learning rates."""
+    value = finite_float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text}")
+    return value
+
+
+def port(text: str) -> int:
+    """A TCP port, 1-65535."""
+    value = int_at_least(1)(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number in 1-65535, got {value}")
+    return value
+
+
+def device(text: str) -> str:
+    """A torch device that exists on this machine: a name torch does not know, or cuda / mps when
+    torch sees none, is an error here rather than a traceback after the model loaded."""
+    import torch
+
+    try:
+        dev = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"unknown torch device {text!r}; use cpu, cuda, cuda:N or mps") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise argparse.ArgumentTypeError(f"--device {text}: this machine has no CUDA GPU torch can use; use cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise argparse.ArgumentTypeError(
+                f"--device {text}: this machine has {torch.cuda.device_count()} CUDA device(s) (cuda:0..)"
+            )
+    elif dev.type == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
+        raise argparse.ArgumentTypeError(f"--device {text}: MPS is not available on this machine; use cpu")
+    elif dev.type not in ("cpu", "cuda", "mps", "xpu", "meta"):
+        raise argparse.ArgumentTypeError(f"--device {text}: unsupported device type; use cpu, cuda or mps")
+    return text
 
 
 def read_yaml_mapping(path: str | Path, error: type[Exception]) -> dict[str, Any]:

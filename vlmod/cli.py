@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from vlmod.argtypes import non_negative_int, positive_int
+from vlmod.argtypes import device, non_negative_int, port, positive_float, positive_int
 from vlmod.bench import (
     LLAVA_PRESETS,
     VIDEO_PRESETS,
@@ -457,11 +457,19 @@ def add_demo_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="converted checkpoint directory (default: the embedded demo model)")
     p.add_argument("--dense", default=None, help="dense checkpoint to compare answers and latency with")
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: 127.0.0.1)")
-    p.add_argument("--port", type=positive_int, default=8000, help="port (default: 8000)")
-    p.add_argument("--max-upload-mb", type=float, default=25.0, help="largest upload in MB (default: 25)")
+    p.add_argument("--port", type=port, default=8000, help="port (default: 8000)")
+    p.add_argument("--max-upload-mb", type=positive_float, default=25.0, help="largest upload in MB (default: 25)")
+    p.add_argument(
+        "--max-active", type=positive_int, default=2,
+        help="requests decoding / running at once; bounds memory (default: 2)",
+    )
+    p.add_argument(
+        "--max-waiting", type=non_negative_int, default=8,
+        help="requests queued for a turn; more get 503 (default: 8)",
+    )
     p.add_argument("--max-new-tokens", type=positive_int, default=16, help="answer length in tokens (default: 16)")
     p.add_argument("--frames", type=positive_int, default=8, help="frames sampled from a video (default: 8)")
-    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: cpu)")
+    p.add_argument("--device", type=device, default="cpu", help="torch device, e.g. cpu or cuda (default: cpu)")
     p.set_defaults(run=run_demo)
     return p
 
@@ -471,12 +479,11 @@ def run_demo(args: argparse.Namespace) -> int:
         from vlmod.demo.app import DemoSetupError, serve
     except ImportError as e:
         raise UsageError(f"the demo needs its extra: pip install 'vlmod[demo]' ({e})") from None
-    if args.max_upload_mb <= 0:
-        raise UsageError(f"--max-upload-mb must be > 0, got {args.max_upload_mb}")
     try:
         serve(
             args.model, args.dense, host=args.host, port=args.port, max_upload_mb=args.max_upload_mb,
             max_new_tokens=args.max_new_tokens, num_frames=args.frames, device=args.device,
+            max_active=args.max_active, max_waiting=args.max_waiting,
         )
     except (DemoSetupError, FileNotFoundError, TypeError, ValueError) as e:
         raise UsageError(str(e)) from None

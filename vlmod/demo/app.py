@@ -26,8 +26,12 @@ API (errors are always `{"error": "..."}` with a 4xx status):
 
 Safety: the request body is capped (413 past `max_upload_mb`), the upload is checked by decoding
 it (`vlmod.demo.media`), it is written under a fixed name in a private temp folder that is removed
-when the request ends, and examples are looked up by name. The model runs in a worker thread, one
-request at a time (a lock), so the server keeps answering while it works.
+when the request ends, and examples are looked up by name. A picture is refused from its header
+when too large, too elongated, or one the processor would resize to too many pixels. At most
+`max_active` requests decode and run at a time (what bounds memory: a decoded picture exists only
+inside that section), at most `max_waiting` more wait for a turn with nothing decoded, and the
+rest get a 503; memory is handed back to the system after each request. The model runs in a
+worker thread, one request at a time (a lock), so the server keeps answering while it works.
 """
 
 from __future__ import annotations
@@ -53,7 +57,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from vlmod.demo.analysis import AnalysisError, analyze, load_model
 from vlmod.demo.examples import EXAMPLES_DIR, load_examples
-from vlmod.demo.media import MAX_PIXELS, MediaError, decode_media
+from vlmod.demo.media import (
+    MAX_ASPECT,
+    MAX_PIXELS,
+    MAX_RESIZED_PIXELS,
+    MediaError,
+    decode_media,
+    processor_resized_pixels,
+    release_memory,
+)
 
 HERE = Path(__file__).parent
 STATIC_DIR = HERE / "static"
@@ -69,6 +81,35 @@ class DemoSetupError(RuntimeError):
 
 class _BodyTooLarge(Exception):
     pass
+
+
+class WorkGate:
+    """At most `active` requests inside the heavy section (decode + model), at most `waiting` more
+    queued for it; `enter` is False when both are full (the caller answers 503). Thread-based, so
+    it does not depend on which event loop serves the request."""
+
+    def __init__(self, active: int, waiting: int) -> None:
+        self.active, self.waiting = active, waiting
+        self._slots = threading.Semaphore(active)
+        self._lock = threading.Lock()
+        self._admitted = 0
+
+    def admit(self) -> bool:
+        with self._lock:
+            if self._admitted >= self.active + self.waiting:
+                return False
+            self._admitted += 1
+            return True
+
+    def leave(self) -> None:
+        with self._lock:
+            self._admitted -= 1
+
+    def acquire(self) -> None:
+        self._slots.acquire()
+
+    def release(self) -> None:
+        self._slots.release()
 
 
 def _error(message: str, status: int) -> JSONResponse:
@@ -131,6 +172,10 @@ def create_app(
     max_new_tokens: int = 16,
     num_frames: int = 8,
     max_pixels: int = MAX_PIXELS,
+    max_aspect: float = MAX_ASPECT,
+    max_resized_pixels: int = MAX_RESIZED_PIXELS,
+    max_active: int = 2,
+    max_waiting: int = 8,
     device: str = "cpu",
     tmp_dir: str | Path | None = None,
     examples_dir: Path = EXAMPLES_DIR,
@@ -139,6 +184,8 @@ def create_app(
     its dense counterpart for side-by-side answers and latency.
 
     The model loads here, so a bad checkpoint fails at start, not on the first request.
+    max_active / max_waiting: requests decoding or running at once / queued for a turn (the rest
+    get 503): what bounds the server's memory under parallel uploads.
     """
     model_path, dense_path = resolve_model_dirs(model_dir, dense_dir)
     for path in (model_path, dense_path):
@@ -149,6 +196,11 @@ def create_app(
     max_upload = int(max_upload_mb * 2**20)
     model_lock = threading.Lock()
     placeholders = _placeholder_tokens(loaded.processor)
+    gate = WorkGate(max_active, max_waiting)
+    shape_limits = {
+        "max_aspect": max_aspect, "max_resized_pixels": max_resized_pixels,
+        "resized_pixels": processor_resized_pixels(loaded.processor),
+    }
     if tmp_dir is not None:
         Path(tmp_dir).mkdir(parents=True, exist_ok=True)
 
@@ -160,6 +212,24 @@ def create_app(
             result = analyze(loaded, media, prompt, max_new_tokens=max_new_tokens)
         result["stats"]["latency_s"]["queue"] = waited
         return result
+
+    def decode_and_run(path: Path, prompt: str, received: float) -> tuple[dict[str, Any], float]:
+        """In a worker thread, inside one of the gate's slots: decode, then `run_model`. The decoded
+        pictures live only in here, so at most `max_active` exist at once; their memory goes back
+        to the system before the slot is given up. Returns (result, decode seconds)."""
+        start = time.perf_counter()
+        gate.acquire()
+        try:
+            waited = time.perf_counter() - start
+            media = decode_media(path, num_frames, max_pixels, **shape_limits)
+            decoded = time.perf_counter() - received - waited
+            result = run_model(media, prompt)
+            result["stats"]["latency_s"]["queue"] += waited
+            return result, decoded
+        finally:
+            media = None
+            release_memory()
+            gate.release()
 
     async def index(request: Request) -> Response:
         return FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
@@ -174,6 +244,10 @@ def create_app(
                     "max_prompt_chars": MAX_PROMPT_CHARS,
                     "max_new_tokens": max_new_tokens,
                     "num_frames": num_frames,
+                    "max_pixels": max_pixels,
+                    "max_aspect": max_aspect,
+                    "max_active": max_active,
+                    "max_waiting": max_waiting,
                 },
                 "examples": len(examples),
             }
@@ -197,6 +271,17 @@ def create_app(
         return FileResponse(example.path(examples_dir), media_type=example.media_type)
 
     async def analyze_route(request: Request) -> Response:
+        if not gate.admit():
+            return JSONResponse(
+                {"error": f"the demo is busy ({gate.active + gate.waiting} requests in progress); try again in a few seconds"},
+                status_code=503, headers={"Retry-After": "5"},
+            )
+        try:
+            return await _analyze(request)
+        finally:
+            gate.leave()
+
+    async def _analyze(request: Request) -> Response:
         received = time.perf_counter()
         try:
             form = await request.form(max_files=1, max_fields=8, max_part_size=FORM_OVERHEAD)
@@ -240,19 +325,16 @@ def create_app(
             else:
                 return _error("no input: upload an image or a video, or pick an example", 400)
             try:
-                media = await run_in_threadpool(decode_media, path, num_frames, max_pixels)
+                result, decoded = await run_in_threadpool(decode_and_run, path, prompt, received)
             except MediaError as err:
                 return _error(str(err), err.status)
+            except AnalysisError as err:
+                return _error(f"this model's token layout is not supported by the demo: {err}", 422)
+            except ValueError as err:  # the processor or the model refused this prompt / picture
+                return _error(f"the model could not process this input: {str(err).splitlines()[0][:300]}", 422)
         finally:
             await form.close()
             shutil.rmtree(workdir, ignore_errors=True)
-        decoded = time.perf_counter() - received
-        try:
-            result = await run_in_threadpool(run_model, media, prompt)
-        except AnalysisError as err:
-            return _error(f"this model's token layout is not supported by the demo: {err}", 422)
-        except ValueError as err:  # the processor or the model refused this prompt / picture
-            return _error(f"the model could not process this input: {str(err).splitlines()[0][:300]}", 422)
         result["source"] = source
         result["stats"]["latency_s"]["decode"] = decoded
         return JSONResponse(result)
@@ -310,10 +392,31 @@ def serve(
     port: int = 8000,
     **kwargs: Any,
 ) -> None:
-    """Load the model and serve the demo with uvicorn until interrupted."""
+    """Load the model and serve the demo with uvicorn until interrupted. The port is bound before
+    the model loads, so a busy port fails at once and the address printed is one that listens."""
+    import socket
+
     import uvicorn
 
-    app = create_app(model_dir, dense_dir, **kwargs)
-    shown = "localhost" if host in ("127.0.0.1", "0.0.0.0", "::") else host
-    print(f"vlmod demo: serving {app.state.loaded.path} on http://{shown}:{port}", flush=True)
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        raise DemoSetupError(
+            f"cannot listen on {host}:{port} ({err.strerror or err}); pick another --port or --host"
+        ) from None
+    try:
+        app = create_app(model_dir, dense_dir, **kwargs)
+        sock.listen(128)
+        if host in ("0.0.0.0", "::"):
+            where = f"all interfaces, port {port} (http://{socket.gethostname()}:{port}, http://localhost:{port})"
+        else:
+            where = f"http://{'localhost' if host == '127.0.0.1' else host}:{port}"
+        print(f"vlmod demo: serving {app.state.loaded.path} on {where}", flush=True)
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
