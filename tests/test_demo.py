@@ -65,7 +65,9 @@ def tmp_uploads(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def client(checkpoints: tuple[Path, Path], tmp_uploads: Path) -> TestClient:
     mod, dense = checkpoints
-    app = create_app(mod, dense, max_upload_mb=MAX_UPLOAD_MB, max_new_tokens=4, num_frames=4, tmp_dir=tmp_uploads)
+    app = create_app(
+        mod, dense, max_upload_mb=MAX_UPLOAD_MB, max_new_tokens=4, num_frames=4, tmp_dir=tmp_uploads, timing_runs=1
+    )
     return TestClient(app)
 
 
@@ -134,7 +136,11 @@ def test_analyze_image_grid_masks_and_counts_match_the_trace(client: TestClient)
     assert stats["skipped_fraction_mod_layers"] == pytest.approx(1 - k / 16)
     assert 0 < stats["flops"]["saved_fraction"] < 1
     assert stats["flops"]["mod"] < stats["flops"]["dense"]
-    assert stats["dense"]["answer"] is not None and stats["dense"]["latency_s"] > 0
+    assert stats["dense"]["answer"] is not None and isinstance(stats["dense"]["same_answer"], bool)
+    latency = stats["latency"]  # fair timing: one untraced run each (the fixture's timing_runs=1)
+    assert latency["runs"] == 1 and latency["new_tokens"] == 4
+    assert [len(latency["samples"][m]) for m in ("mod", "dense")] == [1, 1]
+    assert latency["mod_s"] > 0 and latency["speedup"] == pytest.approx(latency["dense_s"] / latency["mod_s"])
     assert item["stats"]["layer_passes"] == 16 * 4 - stats["tokens_skipped"]
 
     # The same masks from a trace of our own: the prefill of the same inputs.

@@ -81,18 +81,18 @@ def _check_out(out: Path, overwrite: bool) -> None:
 
 
 def _check_llava(config: Any, source: str) -> type:
-    from vlmod.plugins import llava
+    from vlmod.plugins.decoder import vlm_classes, vlm_families
 
     try:
         cls = model_class(config)
     except TypeError:
         cls = None
-    if cls is None or not issubclass(cls, llava._classes()):
+    if cls is None or not issubclass(cls, vlm_classes()):
         what = getattr(config, "model_type", type(config).__name__)
         arch = ", ".join(getattr(config, "architectures", None) or []) or "no architectures listed"
         raise ConvertError(
-            f"{source} is not a LLaVA checkpoint: it is a {what!r} model ({arch}). "
-            f"vlmod convert supports: {', '.join(llava.FAMILIES)}"
+            f"{source} is not a supported vision-language checkpoint: it is a {what!r} model ({arch}). "
+            f"vlmod convert supports: {', '.join(vlm_families())}"
         )
     return cls
 
@@ -111,8 +111,15 @@ def _check_layers(config: MoDConfig, num_layers: int, part: str) -> None:
 
 
 def image_tokens(config: Any) -> int:
-    """Image tokens of one image at the tower's base resolution (no anyres tiles)."""
+    """Image tokens of one image at the tower's base resolution (no anyres tiles); a 448 x 448
+    image for dynamic-resolution towers (Qwen2.5-VL, Qwen3-VL)."""
+    if getattr(config, "mm_tokens_per_image", None):  # Gemma 3: pooled to a fixed count
+        return int(config.mm_tokens_per_image)
+    if getattr(config, "model_type", None) == "internvl":  # pixel shuffle of one 448 px tile
+        return int(config.image_seq_length)
     vision = config.vision_config
+    if not hasattr(vision, "image_size") and hasattr(vision, "spatial_merge_size"):
+        return (448 // (vision.patch_size * vision.spatial_merge_size)) ** 2
     n = (vision.image_size // vision.patch_size) ** 2
     if getattr(config, "vision_feature_select_strategy", "default") == "full" and vision.model_type == "clip_vision_model":
         n += 1

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 
 FAMILIES = ("llava", "llava_mistral", "llava_next", "llava_next_video", "llava_onevision")
+# Beyond LLaVA (issue 16): built by `_build_vlm`, with the special tokens of each family.
+VLM_FAMILIES = ("qwen2_5_vl", "qwen3_vl", "internvl", "gemma3")
 
 SPECIAL = ["<pad>", "<unk>", "<s>", "</s>", "<image>", "<video>"]
 WORDS = (
@@ -33,26 +35,37 @@ CHAT_TEMPLATE = (
 )
 
 
-def tokenizer() -> Any:
-    """A word-level tokenizer over a small English vocabulary plus the LLaVA special tokens."""
+def tokenizer(special_tokens: dict[str, str] | None = None, chat_template: str = CHAT_TEMPLATE) -> Any:
+    """A word-level tokenizer over a small English vocabulary plus the LLaVA special tokens, or
+    the named `special_tokens` of another family ({"image_token": "<|image_pad|>", ...}), which
+    are never split."""
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {t: i for i, t in enumerate(SPECIAL + [w for w in dict.fromkeys(WORDS)])}
+    named = special_tokens or {"image_token": "<image>", "video_token": "<video>"}
+    specials = SPECIAL[:4] + list(dict.fromkeys(named.values())) if special_tokens else SPECIAL
+    vocab = {t: i for i, t in enumerate(specials + [w for w in dict.fromkeys(WORDS)])}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.normalizer = normalizers.Lowercase()
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])
+    if special_tokens:
+        tok.add_special_tokens(specials[4:])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         unk_token="<unk>",
         pad_token="<pad>",
         bos_token="<s>",
         eos_token="</s>",
-        extra_special_tokens={"image_token": "<image>", "video_token": "<video>"},
+        extra_special_tokens=named,
         padding_side="left",
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = chat_template
     return fast
+
+
+def chat_template(image: str, video: str = "<video>") -> str:
+    """CHAT_TEMPLATE with a family's own image and video placeholders."""
+    return CHAT_TEMPLATE.replace("<image> ", image + " ").replace("<video> ", video + " ")
 
 
 def _text_config(
@@ -94,8 +107,14 @@ def build(
     """(model, processor) of a tiny random model of `family`, in eval mode, float32."""
     import transformers as tf
 
+    if family in VLM_FAMILIES:
+        return _build_vlm(
+            family, width=width, layers=layers, heads=heads, kv_heads=kv_heads, mlp_ratio=mlp_ratio,
+            vision_width=vision_width, vision_layers=vision_layers, image_size=image_size,
+            patch_size=patch_size, attn_implementation=attn_implementation, seed=seed,
+        )
     if family not in FAMILIES:
-        raise ValueError(f"unknown tiny family {family!r}; choose one of {FAMILIES}")
+        raise ValueError(f"unknown tiny family {family!r}; choose one of {FAMILIES + VLM_FAMILIES}")
     tok = tokenizer()
     vocab = len(tok)
     image_id = tok.convert_tokens_to_ids("<image>")
@@ -172,6 +191,104 @@ def build(
     return model, processor
 
 
+QWEN_TOKENS = {
+    "image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
+    "vision_start_token": "<|vision_start|>", "vision_end_token": "<|vision_end|>",
+}
+INTERNVL_TOKENS = {
+    "context_image_token": "<IMG_CONTEXT>", "start_image_token": "<img>", "end_image_token": "</img>",
+    "video_token": "<video>",
+}
+GEMMA3_TOKENS = {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>", "eoi_token": "<end_of_image>"}
+
+
+def _build_vlm(
+    family: str, *, width: int, layers: int, heads: int, kv_heads: int, mlp_ratio: float, vision_width: int,
+    vision_layers: int, image_size: int, patch_size: int, attn_implementation: str, seed: int,
+) -> tuple[torch.nn.Module, Any]:
+    """Qwen2.5-VL / Qwen3-VL (dynamic resolution: `image_size` is the largest side, patches of
+    `patch_size` merged 2x2), InternVL (pixel shuffle 0.5) and Gemma 3 (SigLIP tower pooled to 16
+    tokens per image; sliding-window and full-attention layers alternate, window 8, shorter than
+    a prompt, so routed caches must honour it)."""
+    import transformers as tf
+
+    head_dim = width // heads
+    text = dict(
+        hidden_size=width, intermediate_size=int(mlp_ratio * width), num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=2048,
+        pad_token_id=0, bos_token_id=2, eos_token_id=3, tie_word_embeddings=False,
+    )
+    vision = dict(hidden_size=vision_width, intermediate_size=2 * vision_width, num_hidden_layers=vision_layers,
+                  num_attention_heads=4)
+    if family in ("qwen2_5_vl", "qwen3_vl"):
+        tok = tokenizer(QWEN_TOKENS, chat_template("<|vision_start|> <|image_pad|> <|vision_end|>",
+                                                   "<|vision_start|> <|video_pad|> <|vision_end|>"))
+        ids = {k: tok.convert_tokens_to_ids(v) for k, v in QWEN_TOKENS.items()}
+        half = head_dim // 2
+        section = [half - 2 * (half * 3 // 8), half * 3 // 8, half * 3 // 8]
+        text.update(vocab_size=len(tok), rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                          "mrope_section": section})
+        vision = dict(depth=vision_layers, hidden_size=vision_width, intermediate_size=2 * vision_width,
+                      num_heads=4, out_hidden_size=width, patch_size=patch_size, spatial_merge_size=2,
+                      temporal_patch_size=2)
+        token_ids = dict(image_token_id=ids["image_token"], video_token_id=ids["video_token"],
+                         vision_start_token_id=ids["vision_start_token"], vision_end_token_id=ids["vision_end_token"])
+        if family == "qwen2_5_vl":
+            vision.update(window_size=4 * patch_size, fullatt_block_indexes=[vision_layers - 1])
+            config = tf.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **token_ids)
+            model_cls, processor_cls = tf.Qwen2_5_VLForConditionalGeneration, tf.Qwen2_5_VLProcessor
+        else:
+            text["head_dim"] = head_dim
+            vision.update(num_position_embeddings=(image_size // patch_size) ** 2, deepstack_visual_indexes=list(range(min(2, vision_layers))))
+            config = tf.Qwen3VLConfig(text_config=text, vision_config=vision, **token_ids)
+            model_cls, processor_cls = tf.Qwen3VLForConditionalGeneration, tf.Qwen3VLProcessor
+        pixels = dict(patch_size=patch_size, merge_size=2, temporal_patch_size=2)
+        limits = {"shortest_edge": (2 * patch_size) ** 2, "longest_edge": image_size**2}
+        image_proc = tf.Qwen2VLImageProcessor(size=limits, **pixels)
+        video_cls = tf.Qwen3VLVideoProcessor if family == "qwen3_vl" else tf.Qwen2VLVideoProcessor
+        video_proc = video_cls(size=limits, **pixels)
+        processor = processor_cls(image_processor=image_proc, tokenizer=tok, video_processor=video_proc,
+                                  chat_template=tok.chat_template)
+    elif family == "internvl":
+        tok = tokenizer(INTERNVL_TOKENS, chat_template("<IMG_CONTEXT>"))
+        text.update(vocab_size=len(tok))
+        vision.update(image_size=image_size, patch_size=patch_size)
+        config = tf.InternVLConfig(
+            vision_config=tf.InternVLVisionConfig(**vision), text_config=tf.Qwen2Config(**text),
+            image_token_id=tok.convert_tokens_to_ids("<IMG_CONTEXT>"),
+            image_seq_length=(image_size // patch_size) ** 2 // 4, downsample_ratio=0.5,
+        )
+        image_proc = tf.GotOcr2ImageProcessor(size={"height": image_size, "width": image_size}, crop_to_patches=True,
+                                             max_patches=4, min_patches=1)
+        processor = tf.InternVLProcessor(image_processor=image_proc, tokenizer=tok,
+                                         video_processor=tf.InternVLVideoProcessor(
+                                             size={"height": image_size, "width": image_size}),
+                                         image_seq_length=config.image_seq_length, chat_template=tok.chat_template)
+        model_cls = tf.InternVLForConditionalGeneration
+    elif family == "gemma3":
+        tok = tokenizer(GEMMA3_TOKENS, chat_template("<start_of_image>"))
+        ids = {k: tok.convert_tokens_to_ids(v) for k, v in GEMMA3_TOKENS.items()}
+        text.update(vocab_size=len(tok), head_dim=head_dim, query_pre_attn_scalar=head_dim, sliding_window=8,
+                    layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)])
+        vision.update(image_size=image_size, patch_size=patch_size)
+        per_image = min(16, (image_size // patch_size) ** 2)
+        config = tf.Gemma3Config(
+            text_config=tf.Gemma3TextConfig(**text), vision_config=tf.SiglipVisionConfig(**vision),
+            mm_tokens_per_image=per_image, boi_token_index=ids["boi_token"], eoi_token_index=ids["eoi_token"],
+            image_token_index=ids["image_token"], tie_word_embeddings=False,
+        )
+        image_proc = tf.Gemma3ImageProcessor(size={"height": image_size, "width": image_size})
+        processor = tf.Gemma3Processor(image_processor=image_proc, tokenizer=tok, image_seq_length=per_image,
+                                       chat_template=tok.chat_template)
+        model_cls = tf.Gemma3ForConditionalGeneration
+    else:
+        raise ValueError(f"unknown tiny family {family!r}; choose one of {FAMILIES + VLM_FAMILIES}")
+    for c in (config, config.text_config, config.vision_config):
+        c._attn_implementation = attn_implementation
+    torch.manual_seed(seed)
+    return model_cls(config).eval(), processor
+
+
 def save(family: str, directory: str | Path, **kwargs: Any) -> Path:
     """Build a tiny model and save it with its processor, like a hub checkpoint."""
     model, processor = build(family, **kwargs)
@@ -187,7 +304,7 @@ def add_tiny_arguments(parser: Any) -> Any:
     from vlmod.argtypes import positive_int
 
     parser.add_argument("--out", required=True, help="directory to write the model and processor to")
-    parser.add_argument("--family", default="llava", choices=FAMILIES)
+    parser.add_argument("--family", default="llava", choices=FAMILIES + VLM_FAMILIES)
     parser.add_argument("--width", type=positive_int, default=64, help="language model hidden size")
     parser.add_argument("--layers", type=positive_int, default=4, help="language model layers")
     parser.add_argument("--heads", type=positive_int, default=4)

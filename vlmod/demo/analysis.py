@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 import io
 import math
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,8 @@ from vlmod.demo.media import Media
 
 # Longest side of the pictures sent back to the page (they are drawn under the overlay).
 PREVIEW_SIDE = 512
+# Timed generate calls per model per request (interleaved, median reported); 0 = no timing.
+TIMING_RUNS = 3
 
 
 class AnalysisError(RuntimeError):
@@ -56,9 +59,10 @@ class LoadedModel:
 
     model: nn.Module
     processor: Any
-    path: Path
+    path: Path | str
     dense: nn.Module | None = None
-    dense_path: Path | None = None
+    dense_path: Path | str | None = None
+    warm_up_s: float | None = None  # set by `warm_up`: timing is fair only after it
 
     @property
     def supports_video(self) -> bool:
@@ -83,7 +87,7 @@ class LoadedModel:
         capacities = {f"{p}:{i}": c for (p, i), c in vlmod.mod_layers(self.model).items()}
         text, vision = self.model.config.text_config, self.model.config.vision_config
         return {
-            "name": self.path.name,
+            "name": _name(self.path),
             "architecture": type(self.model).__name__,
             "video": self.supports_video,
             "language_layers": text.num_hidden_layers,
@@ -91,16 +95,31 @@ class LoadedModel:
             "mod_layers": self.mod_layers,
             "capacities": capacities,
             "parameters": sum(p.numel() for p in self.model.parameters()),
-            "dense": None if self.dense_path is None else self.dense_path.name,
+            "dense": None if self.dense_path is None else _name(self.dense_path),
+            "input_size": dict(zip(("width", "height"), self.input_size(), strict=True)),
+            "patch_size": vision.patch_size,
+            "warm": self.warm_up_s is not None,
         }
+
+    def input_size(self) -> tuple[int, int]:
+        """(width, height) in pixels of one picture as the vision tower takes it."""
+        side = self.model.config.vision_config.image_size
+        return (side, side)
+
+
+def _name(path: Path | str) -> str:
+    """A checkpoint's short name: a local folder's name, or a hub id as given."""
+    return path.name if isinstance(path, Path) else path
 
 
 def load_model(path: str | Path, dense_path: str | Path | None = None, device: str = "cpu") -> LoadedModel:
-    """Load a converted checkpoint (and a dense one to compare with) for the demo."""
+    """Load a converted checkpoint (and a dense one to compare with: a local directory or a hub
+    id, see `vlmod.demo.checkpoints`) for the demo."""
     import vlmod
     from vlmod.hf import load_llava
 
-    path = Path(path).expanduser()
+    if Path(path).expanduser().exists():
+        path = Path(path).expanduser()
     model, processor = load_llava(path, ValueError, "the demo shows")
     model = model.to(device).eval()
     if not vlmod.mod_layers(model):
@@ -110,7 +129,6 @@ def load_model(path: str | Path, dense_path: str | Path | None = None, device: s
         )
     dense = None
     if dense_path is not None:
-        dense_path = Path(dense_path).expanduser()
         dense = vlmod.load_pretrained(dense_path).to(device).eval()
         if vlmod.mod_layers(dense):
             vlmod.remove_mod(dense)
@@ -155,28 +173,50 @@ def video_views(n: int, frames: int) -> list[list[View]]:
     raise AnalysisError(f"cannot lay out {n} video tokens as {frames} square frame grids")
 
 
-def seen_region(picture: Image.Image, processor: Any) -> Image.Image:
-    """The part of `picture` the processor keeps: the centre crop of a resize-shortest-edge +
-    center-crop processor (CLIP, LLaVA-NeXT-Video frames), else the whole picture (squashed, or
-    tiled by an anyres processor, whose tiles are already square so its crop changes nothing)."""
+def seen_box(size: tuple[int, int], processor: Any) -> tuple[int, int, int, int]:
+    """(left, top, right, bottom) of the part of a `size` = (width, height) picture the processor
+    keeps: the centre crop of a resize-shortest-edge + center-crop processor (CLIP, LLaVA-NeXT-Video
+    frames), else the whole picture (squashed, or tiled by an anyres processor, whose tiles are
+    already square so its crop changes nothing)."""
+    width, height = size
+    whole = (0, 0, width, height)
     if not getattr(processor, "do_center_crop", False) or getattr(processor, "image_grid_pinpoints", None):
-        return picture
-    crop, size = getattr(processor, "crop_size", None), getattr(processor, "size", None)
-    ch, cw = _hw(crop)
+        return whole
+    ch, cw = _hw(getattr(processor, "crop_size", None))
     if not ch or not cw:
-        return picture
-    width, height = picture.size
-    shortest = _get(size, "shortest_edge")
+        return whole
+    processor_size = getattr(processor, "size", None)
+    shortest = _get(processor_size, "shortest_edge")
     if shortest:
         scale = shortest / min(width, height)
         rh, rw = height * scale, width * scale
     else:
-        rh, rw = _hw(size)
+        rh, rw = _hw(processor_size)
         if not rh or not rw:
-            return picture
+            return whole
     fx, fy = min(1.0, cw / rw), min(1.0, ch / rh)
     box = ((1 - fx) / 2 * width, (1 - fy) / 2 * height, (1 + fx) / 2 * width, (1 + fy) / 2 * height)
-    return picture.crop(tuple(round(v) for v in box))
+    left, top, right, bottom = (round(v) for v in box)
+    return (left, top, right, bottom)
+
+
+def seen_region(picture: Image.Image, processor: Any) -> Image.Image:
+    """The part of `picture` the processor keeps (`seen_box`)."""
+    box = seen_box(picture.size, processor)
+    return picture if box == (0, 0, *picture.size) else picture.crop(box)
+
+
+def model_resolution(processor: Any, view: View, patch_size: int) -> tuple[int, int]:
+    """(width, height) of the pixels the model takes for one picture: the processor's crop or fixed
+    size, else (anyres) the first grid's cells times the patch size."""
+    if getattr(processor, "do_center_crop", False) and not getattr(processor, "image_grid_pinpoints", None):
+        ch, cw = _hw(getattr(processor, "crop_size", None))
+        if ch and cw:
+            return (int(cw), int(ch))
+    h, w = _hw(getattr(processor, "size", None))
+    if h and w and not getattr(processor, "image_grid_pinpoints", None):
+        return (int(w), int(h))
+    return (view.cols * patch_size, view.rows * patch_size)
 
 
 def _get(d: Any, key: str) -> Any:
@@ -189,10 +229,14 @@ def _hw(d: Any) -> tuple[Any, Any]:
     return _get(d, "height"), _get(d, "width")
 
 
-def _data_url(picture: Image.Image) -> str:
-    """A PNG (small pictures) or JPEG data URL of `picture`, at most PREVIEW_SIDE px."""
-    img = picture.copy()
-    img.thumbnail((PREVIEW_SIDE, PREVIEW_SIDE))
+def _data_url(picture: Image.Image, size: tuple[int, int] | None = None) -> str:
+    """A PNG (small pictures) or JPEG data URL of `picture`, at most PREVIEW_SIDE px (or resized to
+    exactly `size`, as the processor resizes: bicubic)."""
+    if size is not None:
+        img = picture.resize(size, Image.Resampling.BICUBIC)
+    else:
+        img = picture.copy()
+        img.thumbnail((PREVIEW_SIDE, PREVIEW_SIDE))
     buf = io.BytesIO()
     if max(img.size) <= 256:
         img.save(buf, format="PNG")
@@ -230,19 +274,89 @@ def build_inputs(loaded: LoadedModel, media: Media, prompt: str) -> tuple[dict[s
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}, as_video
 
 
-def _generate(model: nn.Module, inputs: dict[str, Any], processor: Any, max_new_tokens: int) -> tuple[str, float]:
+def _generate(
+    model: nn.Module, inputs: dict[str, Any], processor: Any, max_new_tokens: int, exact: bool = False
+) -> tuple[str, float]:
+    """(answer, seconds) of a greedy generate; exact: always `max_new_tokens` new tokens (an
+    end-of-sequence token does not stop it), so two models' times count the same work."""
     tokenizer = getattr(processor, "tokenizer", processor)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    extra = {"min_new_tokens": max_new_tokens} if exact else {}
+    device = next(model.parameters()).device
+    _sync(device)
     start = time.perf_counter()
-    out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+    out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad, **extra)
+    _sync(device)
     seconds = time.perf_counter() - start
     new = out[:, inputs["input_ids"].shape[1] :]
     return tokenizer.batch_decode(new, skip_special_tokens=True)[0].strip(), seconds
 
 
-def analyze(loaded: LoadedModel, media: Media, prompt: str, max_new_tokens: int = 16) -> dict[str, Any]:
-    """Answer `prompt` about `media` with the MoD model (and the dense one when loaded) and describe
-    what each MoD layer processed; see `vlmod.demo.app` for the JSON shape."""
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+TIMING_METHOD = (
+    "greedy generate of {tokens} new tokens (end-of-sequence ignored), untraced, after a start-up "
+    "warm-up; {models} interleaved, {runs} runs each in alternating order; median"
+)
+
+
+def measure_latency(
+    loaded: LoadedModel, inputs: dict[str, Any], max_new_tokens: int, runs: int = TIMING_RUNS
+) -> dict[str, Any] | None:
+    """Fair wall-clock latency of the MoD model and (when loaded) the dense one on `inputs`: both
+    untraced and warm, the same number of new tokens, interleaved in alternating order (MoD first,
+    then dense first, ...) so a change in machine load hits both alike; medians of `runs` each.
+
+    None when `runs` is 0 or the models were not warmed up (`warm_up`): then there is no fair
+    number to show."""
+    if runs <= 0 or loaded.warm_up_s is None:
+        return None
+    models = [("mod", loaded.model)] + ([("dense", loaded.dense)] if loaded.dense is not None else [])
+    samples: dict[str, list[float]] = {name: [] for name, _ in models}
+    with torch.inference_mode():
+        for run in range(runs):
+            for name, model in models if run % 2 == 0 else models[::-1]:
+                samples[name].append(_generate(model, inputs, loaded.processor, max_new_tokens, exact=True)[1])
+    mod_s = statistics.median(samples["mod"])
+    dense_s = statistics.median(samples["dense"]) if "dense" in samples else None
+    return {
+        "mod_s": mod_s,
+        "dense_s": dense_s,
+        "speedup": None if dense_s is None else dense_s / mod_s,
+        "runs": runs,
+        "new_tokens": max_new_tokens,
+        "samples": samples,
+        "method": TIMING_METHOD.format(
+            tokens=max_new_tokens, runs=runs, models="MoD and dense" if dense_s is not None else "MoD only"
+        ),
+    }
+
+
+def warm_up(loaded: LoadedModel, max_new_tokens: int = 4) -> float:
+    """Run each model once on a neutral picture so a request's timing does not pay first-call costs
+    (lazy initialisation, allocator growth, kernel selection); returns the seconds it took."""
+    start = time.perf_counter()
+    side = max(loaded.input_size())
+    picture = Image.new("RGB", (side, side), (128, 128, 128))
+    inputs, _ = build_inputs(loaded, Media("image", [picture]), "what is it ?")
+    with torch.inference_mode():
+        for model in (loaded.model, loaded.dense):
+            if model is not None:
+                for _ in range(2):
+                    _generate(model, inputs, loaded.processor, max_new_tokens, exact=True)
+    loaded.warm_up_s = time.perf_counter() - start
+    return loaded.warm_up_s
+
+
+def analyze(
+    loaded: LoadedModel, media: Media, prompt: str, max_new_tokens: int = 16, timing_runs: int = TIMING_RUNS
+) -> dict[str, Any]:
+    """Answer `prompt` about `media` with the MoD model (and the dense one when loaded), describe
+    what each MoD layer processed (a traced run), and time both fairly (`measure_latency`, untraced);
+    see `vlmod.demo.app` for the JSON shape."""
     import vlmod
     from vlmod.bench import generation_flops
 
@@ -255,8 +369,9 @@ def analyze(loaded: LoadedModel, media: Media, prompt: str, max_new_tokens: int 
             answer, generate_s = _generate(model, inputs, loaded.processor, max_new_tokens)
         dense = None
         if loaded.dense is not None:
-            dense_answer, dense_s = _generate(loaded.dense, inputs, loaded.processor, max_new_tokens)
-            dense = {"answer": dense_answer, "latency_s": dense_s, "same_answer": dense_answer == answer}
+            dense_answer, _ = _generate(loaded.dense, inputs, loaded.processor, max_new_tokens)
+            dense = {"answer": dense_answer, "same_answer": dense_answer == answer}
+    latency = measure_latency(loaded, inputs, max_new_tokens, timing_runs)
     # The prefill step: [rows, tokens] masks; language has one row (one prompt), the vision tower
     # one per image tile or frame.
     prefill_trace = trace.first_step()
@@ -272,14 +387,22 @@ def analyze(loaded: LoadedModel, media: Media, prompt: str, max_new_tokens: int 
     n_layers, n_vis_layers = text_cfg.num_hidden_layers, vision_cfg.num_hidden_layers
 
     items = []
+    picture_processor = _picture_processor(loaded.processor, as_video)
     for i, (picture, views) in enumerate(zip(media.frames, media_views, strict=True)):
-        shown = seen_region(picture, _picture_processor(loaded.processor, as_video))
+        box = seen_box(picture.size, picture_processor)
+        shown = picture if box == (0, 0, *picture.size) else picture.crop(box)
+        model_w, model_h = model_resolution(picture_processor, views[0], vision_cfg.patch_size)
         item: dict[str, Any] = {
             "index": i,
             "time_s": media.timestamps[i] if media.kind == "video" and i < len(media.timestamps) else None,
             "width": shown.width,
             "height": shown.height,
             "src": _data_url(shown),
+            # What the model saw: this crop of the original picture, resized to model_size.
+            "original": {"width": picture.width, "height": picture.height},
+            "crop": {"x": box[0], "y": box[1], "width": box[2] - box[0], "height": box[3] - box[1]},
+            "model_size": {"width": model_w, "height": model_h},
+            "model_src": _data_url(shown, (model_w, model_h)),
             "views": [_view_json(v, lang_mod, prefill, "language") for v in views],
         }
         tokens = sorted({t for v in views for t in v.tokens})
@@ -314,7 +437,9 @@ def analyze(loaded: LoadedModel, media: Media, prompt: str, max_new_tokens: int 
             "mod_vision": flops_mod["vision"],
             "saved_fraction": 1.0 - flops_mod["total"] / flops_dense["total"],
         },
+        # generate: the traced run that made the maps (not a fair latency: see "latency").
         "latency_s": {"preprocess": preprocess_s, "generate": generate_s},
+        "latency": latency,
         "dense": dense,
     }
     if vis_mod and vision_types is not None:

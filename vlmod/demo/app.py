@@ -11,7 +11,9 @@ API (errors are always `{"error": "..."}` with a 4xx status):
       {"kind": "image" | "video", "input": "image" | "frames" | "video", "prompt", "answer",
        "source": {"example": name} | {"upload": {"bytes": n}},
        "layers": {"language": {"total", "mod": [i, ...]}, "vision": {"total", "mod": [...]}},
-       "media": [{"index", "time_s", "width", "height", "src": data URL of what the model saw,
+       "media": [{"index", "time_s", "width", "height", "src": data URL of the part the model saw,
+                  "original": {"width", "height"}, "crop": {"x", "y", "width", "height"} of it,
+                  "model_size": {"width", "height"}, "model_src": data URL at the model's resolution,
                   "views": [{"name", "rows", "cols",
                              "counts": [rows*cols: MoD language layers that processed the token],
                              "masks": [per MoD language layer: rows*cols of 0/1]}],
@@ -20,8 +22,10 @@ API (errors are always `{"error": "..."}` with a 4xx status):
        "stats": {"vision_tokens", "text_tokens", "processed_per_layer", "tokens_skipped",
                  "skipped_fraction_mod_layers", "skipped_fraction_all_layers",
                  "flops": {"dense", "mod", "saved_fraction", ...},
-                 "latency_s": {"preprocess", "generate", "queue", "decode"},
-                 "dense": null | {"answer", "latency_s", "same_answer"},
+                 "latency_s": {"preprocess", "generate" (the traced run), "queue", "decode"},
+                 "latency": null | {"mod_s", "dense_s", "speedup", "runs", "new_tokens", "samples",
+                                    "method"} (fair: warm, untraced, interleaved, medians),
+                 "dense": null | {"answer", "same_answer"},
                  "vision_tower": {...} (when the tower is converted)}}
 
 Safety: the request body is capped (413 past `max_upload_mb`), the upload is checked by decoding
@@ -55,8 +59,9 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from vlmod.demo.analysis import AnalysisError, analyze, load_model
-from vlmod.demo.examples import EXAMPLES_DIR, load_examples
+from vlmod.demo.analysis import TIMING_RUNS, AnalysisError, analyze, load_model, warm_up
+from vlmod.demo.checkpoints import resolve_checkpoint
+from vlmod.demo.examples import EXAMPLES_DIR, about_model, load_examples
 from vlmod.demo.media import (
     MAX_ASPECT,
     MAX_PIXELS,
@@ -149,19 +154,23 @@ def _too_large(limit: int) -> JSONResponse:
     return _error(f"the upload is too large: the demo takes files up to {limit / 2**20:.0f} MB", 413)
 
 
-def resolve_model_dirs(model_dir: str | Path | None, dense_dir: str | Path | None) -> tuple[Path, Path | None]:
-    """(model, dense) directories: the given ones, else the embedded default model."""
+def resolve_model_dirs(
+    model_dir: str | Path | None, dense_dir: str | Path | None
+) -> tuple[Path | str, Path | str | None]:
+    """(model, dense) checkpoints, each a local directory or a hub id (`resolve_checkpoint`: off
+    the network a hub id fails in seconds): the given ones, else the embedded default model."""
+    dense = None if dense_dir is None else resolve_checkpoint(dense_dir, "--dense")
     if model_dir is not None:
-        return Path(model_dir).expanduser(), None if dense_dir is None else Path(dense_dir).expanduser()
+        return resolve_checkpoint(model_dir, "--model"), dense
     if not (DEFAULT_MODEL_DIR / "config.json").is_file():
         raise DemoSetupError(
             f"no --model given and the embedded demo model is missing ({DEFAULT_MODEL_DIR} has no "
             "config.json). Pass --model DIR (a checkpoint converted with `vlmod convert`), or build the "
             "embedded model with `python scripts/build_demo_model.py`."
         )
-    if dense_dir is None and (DEFAULT_DENSE_DIR / "config.json").is_file():
-        dense_dir = DEFAULT_DENSE_DIR
-    return DEFAULT_MODEL_DIR, None if dense_dir is None else Path(dense_dir).expanduser()
+    if dense is None and (DEFAULT_DENSE_DIR / "config.json").is_file():
+        dense = DEFAULT_DENSE_DIR
+    return DEFAULT_MODEL_DIR, dense
 
 
 def create_app(
@@ -177,21 +186,24 @@ def create_app(
     max_active: int = 2,
     max_waiting: int = 8,
     device: str = "cpu",
+    timing_runs: int = TIMING_RUNS,
     tmp_dir: str | Path | None = None,
     examples_dir: Path = EXAMPLES_DIR,
 ) -> Starlette:
     """The demo app serving `model_dir` (default: the embedded model) and, when given or embedded,
     its dense counterpart for side-by-side answers and latency.
 
-    The model loads here, so a bad checkpoint fails at start, not on the first request.
+    The model loads here, so a bad checkpoint fails at start, not on the first request; with
+    `timing_runs` > 0 both models are warmed up here and each request times them fairly
+    (`vlmod.demo.analysis.measure_latency`), 0 reports no latency.
     max_active / max_waiting: requests decoding or running at once / queued for a turn (the rest
     get 503): what bounds the server's memory under parallel uploads.
     """
     model_path, dense_path = resolve_model_dirs(model_dir, dense_dir)
-    for path in (model_path, dense_path):
-        if path is not None and not (path / "config.json").is_file():
-            raise DemoSetupError(f"{path} is not a model directory (no config.json)")
     loaded = load_model(model_path, dense_path, device=device)
+    if timing_runs > 0:
+        warm_up(loaded)  # before any request is timed: latency is reported only once this ran
+    about = about_model(loaded, embedded=model_path == DEFAULT_MODEL_DIR)
     examples = load_examples(examples_dir)
     max_upload = int(max_upload_mb * 2**20)
     model_lock = threading.Lock()
@@ -209,7 +221,7 @@ def create_app(
         start = time.perf_counter()
         with model_lock:
             waited = time.perf_counter() - start
-            result = analyze(loaded, media, prompt, max_new_tokens=max_new_tokens)
+            result = analyze(loaded, media, prompt, max_new_tokens=max_new_tokens, timing_runs=timing_runs)
         result["stats"]["latency_s"]["queue"] = waited
         return result
 
@@ -238,12 +250,13 @@ def create_app(
         return JSONResponse(
             {
                 "status": "ok",
-                "model": loaded.describe(),
+                "model": {**loaded.describe(), "about": about},
                 "limits": {
                     "max_upload_bytes": max_upload,
                     "max_prompt_chars": MAX_PROMPT_CHARS,
                     "max_new_tokens": max_new_tokens,
                     "num_frames": num_frames,
+                    "timing_runs": timing_runs,
                     "max_pixels": max_pixels,
                     "max_aspect": max_aspect,
                     "max_active": max_active,

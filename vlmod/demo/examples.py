@@ -14,6 +14,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -106,6 +107,34 @@ def load_examples(folder: Path = EXAMPLES_DIR) -> dict[str, Example]:
         if NAME.match(example.name) and Path(example.file).name == example.file and example.path(folder).is_file():
             examples[example.name] = example
     return examples
+
+
+def about_model(loaded: Any, embedded: bool) -> dict[str, Any]:
+    """What the page says about the model it serves: what it was trained on, what it can answer,
+    and the resolution it sees pictures at (so an answer about a photo is read for what it is).
+    `loaded` is a `vlmod.demo.analysis.LoadedModel`."""
+    info = loaded.describe()
+    width, height = loaded.input_size()
+    family = info["architecture"].replace("ForConditionalGeneration", "")
+    size = f"{info['parameters'] / 1e6:.2f} M parameters"
+    sees = f"it sees each picture at {width}x{height} pixels ({info['patch_size']} px patches)"
+    if not embedded:
+        return {
+            "embedded": False,
+            "summary": f"{info['name']}: a {family} model, {size}; {sees}.",
+            "knows": "",
+        }
+    kinds = sorted({spec.qtype for spec in SPECS if spec.kind == "image"})
+    media = "pictures and clips" if info["video"] else "pictures"
+    return {
+        "embedded": True,
+        "summary": f"The embedded demo model: a tiny {family} ({size}) trained only on synthetic "
+        f"{IMAGE_SIZE} px {media} of coloured shapes on plain backgrounds; {sees}.",
+        "knows": f"It answers {', '.join(kinds)} and colour questions about such scenes (like the examples). "
+        "On photos and real videos its answers are confident nonsense, though its token maps still show "
+        "where the router spends compute. Serve a real converted checkpoint with "
+        "`vlmod demo --model DIR --dense DIR_OR_HUB_ID`.",
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:

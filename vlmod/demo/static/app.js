@@ -5,29 +5,30 @@ const $ = (id) => document.getElementById(id);
 
 const state = {
   limits: null,
+  model: null,         // /api/health "model"
   source: null,        // {file: File} | {example: name}
   result: null,
   frame: 0,            // selected image / frame
   part: "language",    // "language" | "vision"
   view: 0,             // index into media[frame].views
   layer: 0,            // 0 = all MoD layers (counts), k = k-th MoD layer's mask
-  images: [],          // decoded <img> per media item
+  pixels: "model",     // "model": the pixels at the model's resolution | "sharp": the crop as uploaded
+  images: [],          // decoded <img> per media item (the crop, sharp)
+  modelImages: [],     // decoded <img> per media item (the crop at the model's resolution)
+  original: null,      // <img> of the uploaded picture, for the crop outline
+  generation: 0,       // bumps on every run, so a late answer never paints over a newer state
 };
 
-// ----------------------------------------------------------------------------- colours
+// ----------------------------------------------------------------------------- overlay style
 
-// A perceptual ramp (viridis stops) from "no MoD layer ran this token" to "every MoD layer did".
-const RAMP = [[68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37]];
+// Readable on any picture: skipped tokens are dimmed (darker the more MoD layers skipped them),
+// tokens that ran are outlined in Okabe-Ito sky blue on a dark halo (colour-blind safe, visible on
+// bright and dark scenes alike). Brightness and outline carry the meaning, not hue alone.
+const RUN_EDGE = "#56B4E9";
+const HALO = "rgba(0, 0, 0, 0.85)";
+const DIM_MAX = 0.68;    // opacity of the black veil over a token no MoD layer ran
 
-function ramp(t) {
-  const x = Math.min(1, Math.max(0, t)) * (RAMP.length - 1);
-  const i = Math.min(RAMP.length - 2, Math.floor(x));
-  const f = x - i;
-  return RAMP[i].map((c, k) => Math.round(c + f * (RAMP[i + 1][k] - c)));
-}
-
-const SKIPPED = "rgba(15, 23, 42, 0.78)";
-const PROCESSED_EDGE = "rgba(250, 204, 21, 0.95)";
+function dimFor(count, n) { return n ? DIM_MAX * (1 - count / n) : 0; }
 
 // ----------------------------------------------------------------------------- formatting
 
@@ -39,7 +40,7 @@ function flops(x) {
   return `${x.toFixed(0)} FLOPs`;
 }
 
-function seconds(s) { return s >= 1 ? `${s.toFixed(2)} s` : `${(1000 * s).toFixed(0)} ms`; }
+function seconds(s) { return s >= 1 ? `${s.toFixed(2)} s` : `${(1000 * s).toFixed(s < 0.01 ? 1 : 0)} ms`; }
 
 function el(tag, props = {}, children = []) {
   const node = document.createElement(tag);
@@ -52,6 +53,8 @@ function el(tag, props = {}, children = []) {
   for (const c of children) node.append(c);
   return node;
 }
+
+const sum = (xs) => xs.reduce((a, b) => a + b, 0);
 
 // ----------------------------------------------------------------------------- status
 
@@ -88,8 +91,15 @@ function showPreview(url, title, hint) {
   const preview = $("dz-preview");
   preview.textContent = "";
   preview.hidden = false;
-  if (url) preview.append(el("img", { src: url, alt: "" }));
-  else preview.append(el("span", { class: "play", "aria-hidden": "true" }));
+  if (url) {
+    // A file the browser cannot show (not a picture, or corrupt) gets a plain file icon, never a
+    // broken-image glyph.
+    const img = el("img", { src: url, alt: "" });
+    img.addEventListener("error", () => { img.replaceWith(el("span", { class: "file-icon", "aria-hidden": "true" })); });
+    preview.append(img);
+  } else {
+    preview.append(el("span", { class: "play", "aria-hidden": "true" }));
+  }
   $("dz-title").textContent = title;
   $("dz-hint").textContent = hint;
   $("dropzone").classList.add("has-file");
@@ -131,6 +141,7 @@ async function loadHealth() {
     const h = await res.json();
     state.limits = h.limits;
     const m = h.model;
+    state.model = m;
     const mod = m.mod_layers.language || [];
     const parts = [`${m.architecture.replace("ForConditionalGeneration", "")}`,
       `${mod.length}/${m.language_layers} MoD layers`];
@@ -139,12 +150,42 @@ async function loadHealth() {
     $("model-info").textContent = parts.join(" · ");
     $("model-info").title = `${m.name}: ${(m.parameters / 1e6).toFixed(2)} M parameters`;
     $("dz-hint").textContent = `or click to choose a file · up to ${(h.limits.max_upload_bytes / 2 ** 20).toFixed(0)} MB`;
+    if (m.about) {
+      $("about-model").hidden = false;
+      $("about-model").classList.toggle("embedded", Boolean(m.about.embedded));
+      $("about-summary").textContent = m.about.summary;
+      $("about-knows").textContent = m.about.knows;
+      $("about-knows").hidden = !m.about.knows;
+    }
   } catch (err) {
     $("model-info").textContent = "server unreachable";
   }
 }
 
 // ----------------------------------------------------------------------------- run
+
+function clearResult() {
+  state.result = null;
+  state.images = [];
+  state.modelImages = [];
+  $("output").hidden = true;
+  $("latency").hidden = true;
+  $("latency").textContent = "";
+  $("stats").textContent = "";
+  delete $("stats").dataset.ready;
+  delete $("stage").dataset.drawn;
+}
+
+function showError(message) {
+  clearResult();
+  $("empty").hidden = true;
+  $("result-error").hidden = false;
+  $("result-error-message").textContent = message;
+  setStatus(message, "error");
+  document.body.dataset.state = "error";
+  // Where the user looks: on a phone the result panel is below the fold.
+  $("result-error").scrollIntoView({ block: "nearest", behavior: "smooth" });
+}
 
 async function run() {
   if (!state.source) return;
@@ -154,22 +195,30 @@ async function run() {
   form.append("prompt", prompt);
   if (state.source.file) form.append("file", state.source.file);
   else form.append("example", state.source.example);
+  const generation = ++state.generation;
+  const source = state.source;
   document.body.dataset.state = "busy";
+  $("result-error").hidden = true;
+  $("result").classList.add("stale");
   updateRunButton();
   setStatus("Running the model…", "busy");
   const started = performance.now();
   try {
     const res = await fetch("/api/analyze", { method: "POST", body: form });
     let data;
-    try { data = await res.json(); } catch { data = { error: `server answered ${res.status}` }; }
-    if (!res.ok) throw new Error(data.error || `server answered ${res.status}`);
-    await show(data);
+    try { data = await res.json(); } catch { data = { error: `the server answered ${res.status} ${res.statusText}` }; }
+    if (!res.ok) throw new Error(data.error || `the server answered ${res.status}`);
+    if (generation !== state.generation) return;
+    await show(data, source);
     setStatus(`Done in ${seconds((performance.now() - started) / 1000)}.`, "ok");
     document.body.dataset.state = "done";
+    const top = $("result").getBoundingClientRect().top;
+    if (top > window.innerHeight * 0.8) $("result").scrollIntoView({ block: "start", behavior: "smooth" });
   } catch (err) {
-    setStatus(err.message, "error");
-    document.body.dataset.state = "error";
+    if (generation !== state.generation) return;
+    showError(err instanceof TypeError ? `The server could not be reached (${err.message}).` : err.message);
   } finally {
+    $("result").classList.remove("stale");
     updateRunButton();
   }
 }
@@ -178,24 +227,36 @@ function loadImage(src) {
   return new Promise((resolve, reject) => {
     const img = new Image();
     img.onload = () => resolve(img);
-    img.onerror = () => reject(new Error("could not display the picture"));
+    img.onerror = () => reject(new Error("the browser could not display the picture the server sent"));
     img.src = src;
   });
 }
 
-async function show(result) {
+async function show(result, source) {
+  const [images, modelImages] = await Promise.all([
+    Promise.all(result.media.map((m) => loadImage(m.src))),
+    Promise.all(result.media.map((m) => loadImage(m.model_src))),
+  ]);
+  state.original = null;
+  if (source && source.file && result.kind === "image") {
+    state.original = await loadImage(URL.createObjectURL(source.file)).catch(() => null);
+  }
   state.result = result;
-  state.images = await Promise.all(result.media.map((m) => loadImage(m.src)));
+  state.images = images;
+  state.modelImages = modelImages;
   state.frame = 0;
   state.view = 0;
   state.layer = 0;
   if (state.part === "vision" && !result.media[0].vision) state.part = "language";
   $("empty").hidden = true;
+  $("result-error").hidden = true;
   $("output").hidden = false;
-  renderAnswer();
+  renderAnswer(source);
+  renderLatency();
   renderToggles();
   renderStats();
   renderStrip();
+  renderFrameControls();
   redraw();
 }
 
@@ -211,7 +272,11 @@ function modLayers() {
   return state.part === "vision" ? r.layers.vision : r.layers.language;
 }
 
-function drawOverlay(canvas, img, grid, width) {
+function pictureFor(k) {
+  return state.pixels === "model" ? state.modelImages[k] : state.images[k];
+}
+
+function drawOverlay(canvas, img, grid, width, outline = true) {
   const ratio = window.devicePixelRatio || 1;
   const height = Math.round(width * img.naturalHeight / img.naturalWidth);
   canvas.width = Math.round(width * ratio);
@@ -220,47 +285,44 @@ function drawOverlay(canvas, img, grid, width) {
   canvas.style.height = `${height}px`;
   const ctx = canvas.getContext("2d");
   ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
-  ctx.imageSmoothingEnabled = true;
+  // The model's pixels are drawn as blocks, so each token covers whole pixels of its patch.
+  ctx.imageSmoothingEnabled = state.pixels !== "model";
   ctx.imageSmoothingQuality = "high";
   ctx.drawImage(img, 0, 0, width, height);
   const cw = width / grid.cols;
   const ch = height / grid.rows;
   const nMod = grid.masks.length;
   const layer = state.layer;
-  for (let r = 0; r < grid.rows; r++) {
-    for (let c = 0; c < grid.cols; c++) {
-      const i = r * grid.cols + c;
-      const x = c * cw, y = r * ch;
-      if (layer === 0) {
-        // Tokens that ran every MoD layer stay clear; the fewer layers ran, the darker the cell.
-        const t = nMod ? grid.counts[i] / nMod : 1;
-        const [R, G, B] = ramp(t);
-        ctx.fillStyle = `rgba(${R}, ${G}, ${B}, ${(0.3 + 0.45 * (1 - t)).toFixed(3)})`;
-        ctx.fillRect(x, y, cw, ch);
-      } else if (!grid.masks[layer - 1][i]) {
-        ctx.fillStyle = SKIPPED;
-        ctx.fillRect(x, y, cw, ch);
-      } else {
-        ctx.strokeStyle = PROCESSED_EDGE;
-        ctx.lineWidth = Math.max(1, Math.min(2, Math.min(cw, ch) / 24));
-        const inset = ctx.lineWidth / 2 + 0.5;
-        ctx.strokeRect(x + inset, y + inset, cw - 2 * inset, ch - 2 * inset);
-      }
+  const ran = [];
+  for (let i = 0; i < grid.rows * grid.cols; i++) {
+    const count = layer === 0 ? grid.counts[i] : grid.masks[layer - 1][i] * nMod;
+    const dim = dimFor(count, nMod);
+    const x = (i % grid.cols) * cw, y = Math.floor(i / grid.cols) * ch;
+    if (dim > 0) {
+      ctx.fillStyle = `rgba(0, 0, 0, ${dim.toFixed(3)})`;
+      ctx.fillRect(x, y, cw, ch);
+    }
+    if (count === nMod) ran.push([x, y]);
+  }
+  if (outline && ran.length) {
+    const line = Math.max(1, Math.min(2.5, Math.min(cw, ch) / 10));
+    for (const [stroke, w] of [[HALO, line + 2], [RUN_EDGE, line]]) {
+      ctx.strokeStyle = stroke;
+      ctx.lineWidth = w;
+      ctx.beginPath();
+      const inset = line / 2 + 1;
+      for (const [x, y] of ran) ctx.rect(x + inset, y + inset, cw - 2 * inset, ch - 2 * inset);
+      ctx.stroke();
     }
   }
-  // Patch grid.
-  ctx.strokeStyle = "rgba(255, 255, 255, 0.22)";
-  ctx.lineWidth = 1;
-  ctx.beginPath();
-  for (let c = 1; c < grid.cols; c++) { ctx.moveTo(c * cw, 0); ctx.lineTo(c * cw, height); }
-  for (let r = 1; r < grid.rows; r++) { ctx.moveTo(0, r * ch); ctx.lineTo(width, r * ch); }
-  ctx.stroke();
   canvas.dataset.drawn = "1";
 }
 
 function stageWidth() {
   const wrap = document.querySelector(".stage-wrap");
-  return Math.max(160, Math.min(560, wrap.clientWidth));
+  const styles = getComputedStyle(wrap);
+  const inner = wrap.clientWidth - parseFloat(styles.paddingLeft) - parseFloat(styles.paddingRight);
+  return Math.max(120, Math.min(560, inner));
 }
 
 function redraw() {
@@ -273,15 +335,28 @@ function redraw() {
   slider.max = String(grid.masks.length);
   slider.value = String(state.layer);
   renderTicks(layers);
-  drawOverlay($("stage"), state.images[state.frame], grid, stageWidth());
+  drawOverlay($("stage"), pictureFor(state.frame), grid, stageWidth());
   renderLayerLabel(grid, layers);
   renderLegend(grid);
+  renderSeen(item, grid);
+  updateFrameControls();
   for (const card of document.querySelectorAll(".frame-card")) {
     const k = Number(card.dataset.index);
     card.classList.toggle("selected", k === state.frame);
+    card.setAttribute("aria-current", String(k === state.frame));
     const g = currentGrid(r.media[k]);
-    drawOverlay(card.querySelector("canvas"), state.images[k], g, card.clientWidth - 2 || 120);
+    drawOverlay(card.querySelector("canvas"), pictureFor(k), g, card.clientWidth - 2 || 120, false);
+    const [run, total] = tokensRun(g);
+    card.querySelector(".frame-count").textContent = `${run}/${total}`;
+    card.querySelector(".bar span").style.width = `${(100 * run / Math.max(1, total)).toFixed(1)}%`;
   }
+}
+
+// Tokens that ran in the selected layer (or token-layer passes over all MoD layers) of a grid.
+function tokensRun(grid) {
+  const n = grid.rows * grid.cols;
+  if (state.layer === 0) return [sum(grid.counts), n * grid.masks.length];
+  return [sum(grid.masks[state.layer - 1]), n];
 }
 
 function renderTicks(layers) {
@@ -298,42 +373,142 @@ function renderTicks(layers) {
 function renderLayerLabel(grid, layers) {
   const label = $("layer-label");
   const what = state.part === "vision" ? "vision-tower" : "language";
+  label.textContent = "";
   if (state.layer === 0) {
-    label.innerHTML = "";
     label.append(el("b", { text: `All ${layers.mod.length} MoD layers` }),
-      ` of ${layers.total} ${what} layers · colour = how many ran each token`);
+      ` of ${layers.total} ${what} layers · the darker a token, the more MoD layers skipped it`);
     return;
   }
   const idx = layers.mod[state.layer - 1];
   const mask = grid.masks[state.layer - 1];
-  const ran = mask.reduce((a, b) => a + b, 0);
-  label.innerHTML = "";
+  const ran = sum(mask);
   label.append(el("b", { text: `Layer ${idx}` }),
     ` of ${layers.total} · ${ran} of ${mask.length} tokens processed (${pct(ran / mask.length)}) in this grid`);
+}
+
+function swatch(dim, outlined) {
+  return el("span", { class: `swatch${outlined ? " run" : ""}`, style: `--dim: ${dim.toFixed(3)}` });
 }
 
 function renderLegend(grid) {
   const legend = $("legend");
   legend.textContent = "";
-  if (state.layer === 0) {
-    const n = grid.masks.length;
-    const swatches = el("div", { class: "swatches" });
-    for (let k = 0; k <= n; k++) {
-      const [R, G, B] = ramp(n ? k / n : 1);
-      swatches.append(el("span", { class: "swatch-step", style: `background: rgb(${R}, ${G}, ${B})`, text: String(k) }));
+  const n = grid.masks.length;
+  if (state.layer === 0 && n > 1) {
+    legend.append(el("span", { class: "key" }, [swatch(0, true), `ran at all ${n} MoD layers`]));
+    for (let k = n - 1; k >= 1; k--) {
+      legend.append(el("span", { class: "key" }, [swatch(dimFor(k, n), false), `ran at ${k} of ${n}`]));
     }
-    legend.append(el("span", { class: "legend-label", text: "MoD layers run" }), swatches);
+    legend.append(el("span", { class: "key" }, [swatch(dimFor(0, n), false), "skipped at every MoD layer"]));
   } else {
     legend.append(
-      el("span", { class: "key" }, [el("span", { class: "swatch processed" }), "processed"]),
-      el("span", { class: "key" }, [el("span", { class: "swatch skipped" }), "skipped (residual only)"]),
+      el("span", { class: "key" }, [swatch(0, true), "processed (attention + MLP)"]),
+      el("span", { class: "key" }, [swatch(DIM_MAX, false), "skipped (rides the residual)"]),
     );
   }
 }
 
+// What the model saw: the crop of the picture and the resolution it took it in.
+function renderSeen(item, grid) {
+  const note = $("seen-note");
+  const o = item.original, c = item.crop, m = item.model_size;
+  const cropped = c.width !== o.width || c.height !== o.height;
+  const frame = state.result.kind === "video" ? "frame" : "picture";
+  const parts = [];
+  parts.push(cropped
+    ? `The model saw the centre ${c.width}×${c.height} of your ${o.width}×${o.height} ${frame}`
+    : `The model saw your whole ${o.width}×${o.height} ${frame}`);
+  parts.push(`resized to ${m.width}×${m.height} px`);
+  const cellW = m.width / grid.cols, cellH = m.height / grid.rows;
+  const cell = Number.isInteger(cellW) && Number.isInteger(cellH) ? ` of ${cellW}×${cellH} px` : "";
+  const which = grid.name === "tokens" ? "" : ` (${grid.name})`;
+  note.textContent = `${parts.join(", ")}: one token per cell of this ${grid.cols}×${grid.rows} grid${cell}${which}.`;
+  const thumb = $("crop-thumb");
+  thumb.hidden = !(cropped && state.original);
+  if (!thumb.hidden) {
+    const img = state.original;
+    const w = 96, h = Math.round(w * img.naturalHeight / img.naturalWidth);
+    const ratio = window.devicePixelRatio || 1;
+    thumb.width = w * ratio; thumb.height = h * ratio;
+    thumb.style.width = `${w}px`; thumb.style.height = `${h}px`;
+    const ctx = thumb.getContext("2d");
+    ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
+    ctx.drawImage(img, 0, 0, w, h);
+    const sx = w / o.width, sy = h / o.height;
+    ctx.fillStyle = "rgba(0, 0, 0, 0.6)";
+    ctx.fillRect(0, 0, w, h);
+    ctx.drawImage(img, c.x, c.y, c.width, c.height, c.x * sx, c.y * sy, c.width * sx, c.height * sy);
+    ctx.strokeStyle = RUN_EDGE;
+    ctx.lineWidth = 2;
+    ctx.strokeRect(c.x * sx + 1, c.y * sy + 1, c.width * sx - 2, c.height * sy - 2);
+  }
+}
+
+// ----------------------------------------------------------------------------- frames
+
+function renderFrameControls() {
+  const r = state.result;
+  const box = $("frame-controls");
+  box.hidden = r.media.length < 2;
+  const slider = $("frame");
+  slider.max = String(r.media.length - 1);
+  slider.value = "0";
+}
+
+function updateFrameControls() {
+  const r = state.result;
+  if (r.media.length < 2) return;
+  const item = r.media[state.frame];
+  $("frame").value = String(state.frame);
+  $("frame-prev").disabled = state.frame === 0;
+  $("frame-next").disabled = state.frame === r.media.length - 1;
+  const [run, total] = tokensRun(currentGrid(item));
+  const time = item.time_s == null ? "" : ` · ${item.time_s.toFixed(2)} s`;
+  const what = state.layer === 0 ? "token-layer passes run" : "tokens run";
+  $("frame-label").textContent = `Frame ${state.frame + 1} / ${r.media.length}${time} · ${run} of ${total} ${what}`;
+}
+
+function selectFrame(k) {
+  const r = state.result;
+  if (!r) return;
+  const next = Math.max(0, Math.min(r.media.length - 1, k));
+  if (next === state.frame) return;
+  state.frame = next;
+  renderToggles();
+  redraw();
+  const card = document.querySelector(`.frame-card[data-index="${next}"]`);
+  if (card) card.scrollIntoView({ block: "nearest", inline: "nearest" });
+}
+
+function renderStrip() {
+  const r = state.result;
+  const wrap = $("strip-wrap");
+  const strip = $("strip");
+  strip.textContent = "";
+  if (r.media.length < 2) { wrap.hidden = true; return; }
+  wrap.hidden = false;
+  $("strip-note").textContent = r.input === "frames"
+    ? `· ${r.media.length} frames, sent as one image each (image-only model)` : `· ${r.media.length} sampled frames`;
+  r.media.forEach((item, k) => {
+    const card = el("button", {
+      type: "button", class: "frame-card", "data-index": String(k),
+      "aria-label": `Frame ${k + 1}`, onclick: () => selectFrame(k),
+    }, [
+      el("canvas"),
+      el("div", { class: "frame-meta" }, [
+        el("span", { text: item.time_s == null ? `#${k + 1}` : `${item.time_s.toFixed(2)} s` }),
+        el("span", { class: "frame-count" }),
+      ]),
+      el("div", { class: "bar" }, [el("span")]),
+    ]);
+    card.title = `${item.stats.layer_passes} of ${item.stats.dense_layer_passes} token-layer passes run (all layers)`;
+    strip.append(card);
+  });
+}
+
 // ----------------------------------------------------------------------------- panels
 
-function renderAnswer() {
+function renderAnswer(source) {
   const r = state.result;
   $("answer").textContent = r.answer || "(empty answer)";
   const d = r.stats.dense;
@@ -346,6 +521,34 @@ function renderAnswer() {
   } else {
     box.hidden = true;
   }
+  // The embedded model knows synthetic shapes only: say so next to an answer about anything else.
+  const about = state.model && state.model.about;
+  const ood = $("ood-note");
+  ood.hidden = !(about && about.embedded && source && source.file);
+  if (!ood.hidden) {
+    const m = state.model.input_size;
+    ood.textContent = `The embedded model only knows synthetic ${m.width}×${m.height} px shapes; about your own `
+      + "picture this answer is not meaningful. The token maps still show where it spends compute.";
+  }
+}
+
+function renderLatency() {
+  const box = $("latency");
+  const t = state.result.stats.latency;
+  box.textContent = "";
+  // Only a fair measurement is shown: both models warm, untraced, interleaved, medians.
+  box.hidden = !t;
+  if (!t) return;
+  const row = el("div", { class: "latency-row" }, [
+    el("span", { class: "latency-label", text: "Latency" }),
+    el("span", { class: "latency-value" }, [el("b", { text: seconds(t.mod_s) }), " MoD"]),
+  ]);
+  if (t.dense_s != null) {
+    row.append(el("span", { class: "latency-value" }, [el("b", { text: seconds(t.dense_s) }), " dense"]));
+    const faster = t.speedup >= 1;
+    row.append(el("span", { class: `speedup ${faster ? "yes" : "no"}`, text: `${t.speedup.toFixed(2)}× ${faster ? "faster" : "(slower)"}` }));
+  }
+  box.append(row, el("div", { class: "latency-method", text: `How: ${t.method}.` }));
 }
 
 function segmented(container, options, active, onPick) {
@@ -376,6 +579,12 @@ function renderToggles() {
     renderToggles();
     redraw();
   });
+  const m = item.model_size;
+  segmented($("pixels-toggle"), [["model", `Model's pixels ${m.width}×${m.height}`], ["sharp", "Sharp"]], state.pixels, (p) => {
+    state.pixels = p;
+    renderToggles();
+    redraw();
+  });
 }
 
 function stat(label, value, detail) {
@@ -397,47 +606,12 @@ function renderStats() {
     `${s.tokens_skipped} of ${s.vision_tokens * nMod} ${kind}-token passes at ${nMod} MoD layers · ${s.text_tokens} text tokens always run`));
   box.append(stat("FLOPs saved", pct(s.flops.saved_fraction, 1),
     `${flops(s.flops.mod)} vs ${flops(s.flops.dense)} dense (prefill)`));
-  const lat = s.latency_s;
-  if (s.dense) {
-    const speed = s.dense.latency_s / lat.generate;
-    box.append(stat("Latency", seconds(lat.generate),
-      `generate · dense ${seconds(s.dense.latency_s)} · speedup ${speed.toFixed(2)}×`));
-  } else {
-    box.append(stat("Latency", seconds(lat.generate), `generate · preprocess ${seconds(lat.preprocess)}`));
-  }
   if (s.vision_tower) {
     const v = s.vision_tower;
     box.append(stat("Vision tower", pct(v.skipped_fraction_all_layers),
       `of patch-token layer passes skipped (${v.tokens_skipped} of ${v.patch_tokens * r.layers.vision.total})`));
   }
   box.dataset.ready = "1";
-}
-
-function renderStrip() {
-  const r = state.result;
-  const wrap = $("strip-wrap");
-  const strip = $("strip");
-  strip.textContent = "";
-  if (r.media.length < 2) { wrap.hidden = true; return; }
-  wrap.hidden = false;
-  $("strip-note").textContent = r.input === "frames"
-    ? "· sent as one image each (image-only model)" : `· ${r.media.length} sampled frames`;
-  r.media.forEach((item, k) => {
-    const frac = item.stats.compute_fraction;
-    const card = el("button", {
-      type: "button", class: "frame-card", "data-index": String(k),
-      onclick: () => { state.frame = k; renderToggles(); redraw(); },
-    }, [
-      el("canvas"),
-      el("div", { class: "frame-meta" }, [
-        el("span", { text: item.time_s == null ? `#${k + 1}` : `${item.time_s.toFixed(2)} s` }),
-        el("span", { class: "frame-compute", text: pct(frac) }),
-      ]),
-      el("div", { class: "bar" }, [el("span", { style: `width: ${(100 * frac).toFixed(1)}%` })]),
-    ]);
-    card.title = `${item.stats.layer_passes} of ${item.stats.dense_layer_passes} token-layer passes run`;
-    strip.append(card);
-  });
 }
 
 // ----------------------------------------------------------------------------- wiring
@@ -458,6 +632,20 @@ function init() {
   });
   $("run").addEventListener("click", run);
   $("layer").addEventListener("input", (e) => { state.layer = Number(e.target.value); redraw(); });
+  $("frame").addEventListener("input", (e) => selectFrame(Number(e.target.value)));
+  $("frame-prev").addEventListener("click", () => selectFrame(state.frame - 1));
+  $("frame-next").addEventListener("click", () => selectFrame(state.frame + 1));
+  // Arrow keys step through frames (left / right) and layers (up / down) on the picture.
+  $("stage").addEventListener("keydown", (e) => {
+    if (!state.result) return;
+    const layers = currentGrid(state.result.media[state.frame]).masks.length;
+    if (e.key === "ArrowLeft") selectFrame(state.frame - 1);
+    else if (e.key === "ArrowRight") selectFrame(state.frame + 1);
+    else if (e.key === "ArrowUp") { state.layer = Math.min(layers, state.layer + 1); redraw(); }
+    else if (e.key === "ArrowDown") { state.layer = Math.max(0, state.layer - 1); redraw(); }
+    else return;
+    e.preventDefault();
+  });
   let pending = 0;
   window.addEventListener("resize", () => {
     cancelAnimationFrame(pending);

@@ -1,0 +1,166 @@
+"""Gemma 3 (`Gemma3ForConditionalGeneration`): the language model, and its SigLIP vision tower
+through the Hugging Face vision plugin.
+
+Two things differ from the LLaVA decoder and both live in the per-layer mask over the processed
+tokens, by original position:
+
+- Image tokens attend to the other tokens of their own image both ways while text stays causal
+  (when the call carries `token_type_ids`, as the processor returns them; without them the
+  upstream model is causal everywhere, and so is this one).
+- Sliding-window and full-attention layers alternate. A sliding layer's key at position j is
+  visible to the query at position i only if j > i - window, however few tokens the layer
+  processed in between. Its KV cache keeps the last window - 1 slots, as upstream; a row's filler
+  slots are handed to the layer first, so the slots it keeps are its most recent real tokens and
+  every processed token inside the window survives eviction.
+
+Layer 0 and the first full-attention layer stay dense: transformers sizes the shared sliding and
+full masks from their KV caches. flash_attention_2 cannot express either rule with a padding
+mask and is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from vlmod.config import MoDConfig
+from vlmod.plugins import PartSpec
+from vlmod.plugins.decoder import check_part, language_part, vision_part
+from vlmod.plugins.llava import DecoderAdapter
+from vlmod.routing.layer import MoDPart
+from vlmod.routing.selection import Selection
+
+FAMILIES = ("Hugging Face Gemma3ForConditionalGeneration",)
+
+
+def _classes() -> tuple[type, ...]:
+    import transformers as tf
+
+    return (tf.Gemma3ForConditionalGeneration,) if hasattr(tf, "Gemma3ForConditionalGeneration") else ()
+
+
+def matches(model: nn.Module) -> bool:
+    return isinstance(model, _classes())
+
+
+def part_spec(model: nn.Module, part: str | None, config: MoDConfig) -> PartSpec:
+    if check_part(model, part) == "vision":
+        return vision_part(model, config, "gemma3")
+    text = model.model.language_model.config
+    if text._attn_implementation == "flash_attention_2":
+        raise ValueError(
+            "Gemma 3 MoD layers need a mask of their own (bidirectional image blocks, sliding windows by "
+            "position), which flash_attention_2 cannot take; load the model with attn_implementation='sdpa'"
+        )
+    kinds = list(text.layer_types)
+    dense = (0, kinds.index("full_attention")) if "full_attention" in kinds else (0,)
+    adapter = Gemma3Adapter(model, type(model.model.language_model.layers[0]), config)
+    return language_part(
+        model, config, "gemma3", adapter, layer_types=("full_attention", "sliding_attention"),
+        dense_layers=tuple(sorted(set(dense))),
+    )
+
+
+class Gemma3Adapter(DecoderAdapter):
+    """The LLaVA decoder adapter with Gemma 3's mask: image blocks both ways, sliding windows."""
+
+    def __init__(self, model: nn.Module, layer_cls: type, config: MoDConfig):
+        super().__init__(model, layer_cls, config)
+        text = self.text_config
+        self.windows = [text.sliding_window if t == "sliding_attention" else None for t in text.layer_types]
+        self.blocks: Tensor | None = None  # [B, L] image block of each token, -1 for text
+        self._layer = 0
+
+    def begin_forward(self, part: MoDPart, args: tuple, kwargs: dict) -> None:
+        super().begin_forward(part, args, kwargs)
+        if args:
+            kwargs = {**dict(zip(self.entry_params, args, strict=False)), **kwargs}
+        token_type_ids = kwargs.get("token_type_ids")
+        self.blocks = None
+        if token_type_ids is not None:
+            from transformers.models.gemma3.modeling_gemma3 import get_block_sequence_ids_for_mask
+
+            length = self.batch.positions.shape[1]
+            blocks = get_block_sequence_ids_for_mask(token_type_ids, device=self.batch.positions.device)
+            # A decode step may be handed the whole prompt's types: keep the current tokens'.
+            self.blocks = blocks[:, -length:]
+
+    def run(
+        self, upstream: Callable, x_sel: Tensor, sel: Selection, args: tuple, kwargs: dict, layer_idx: int
+    ) -> Tensor:
+        self._layer = layer_idx
+        if self.windows[layer_idx] is None or sel.valid is None:
+            return super().run(upstream, x_sel, sel, args, kwargs, layer_idx)
+        # Filler slots first, real ones after in their order: the sliding cache keeps the last
+        # window - 1 slots, which are then the row's latest real tokens.
+        rows = torch.arange(x_sel.shape[0], device=x_sel.device).unsqueeze(1)
+        order = sel.valid.long().argsort(dim=1, stable=True)
+        first = Selection(index=sel.index[rows, order], valid=sel.valid[rows, order], length=sel.length)
+        y = super().run(upstream, x_sel[rows, order], first, args, kwargs, layer_idx)
+        return y[rows, order.argsort(dim=1)]
+
+    def _cached_keys(
+        self, layer_idx: int, cache: Any, query_pos: Tensor, query_valid: Tensor | None
+    ) -> tuple[Tensor, Tensor | None, int]:
+        """As the LLaVA adapter, but the slots a sliding layer still holds are its last ones, and
+        the validity is explicit wherever the mask is more than causal (so one is built)."""
+        window = self.windows[layer_idx]
+        stored = 0
+        if cache is not None and layer_idx < len(cache.layers) and cache.layers[layer_idx].is_initialized:
+            stored = int(cache.layers[layer_idx].keys.shape[-2])
+        prev = self.cache_slots.get(layer_idx) if stored else None
+        ones = torch.ones_like(query_pos, dtype=torch.bool)
+        if prev is None:
+            key_pos, key_valid = query_pos, query_valid
+        else:
+            prev_pos, prev_valid = prev
+            if prev_pos.shape[1] < stored:
+                raise RuntimeError(
+                    f"the KV cache of MoD layer {layer_idx} holds {stored} tokens that vlmod did not route; "
+                    "start generation from an empty cache"
+                )
+            keep = slice(-stored, None) if window is not None else slice(None, stored)
+            old_valid = prev_valid[:, keep] if prev_valid is not None else torch.ones_like(prev_pos[:, keep], dtype=torch.bool)
+            key_pos = torch.cat([prev_pos[:, keep], query_pos], dim=1)
+            key_valid = torch.cat([old_valid, query_valid if query_valid is not None else ones], dim=1)
+        if window is not None and cache is not None:
+            # Keep what the sliding cache keeps (its last window - 1 slots after this update).
+            self.cache_slots[layer_idx] = (
+                key_pos[:, -(window - 1):],
+                None if key_valid is None else key_valid[:, -(window - 1):],
+            )
+        elif cache is not None:
+            self.cache_slots[layer_idx] = (key_pos, key_valid)
+        if key_valid is None and (window is not None or self.blocks is not None):
+            key_valid = torch.ones_like(key_pos, dtype=torch.bool)
+        return key_pos, key_valid, stored
+
+    def _mask(
+        self, query_pos: Tensor, key_pos: Tensor, key_valid: Tensor | None, dtype: torch.dtype
+    ) -> Tensor | None:
+        allowed = key_pos[:, None, :] <= query_pos[:, :, None]
+        if self.blocks is not None:
+            n_new = query_pos.shape[1]
+            # The current forward's queries are the last keys; cached keys are text to them.
+            start = int(self.batch.positions[0, 0])
+            q_block = self.blocks.gather(1, query_pos - start)
+            k_block = torch.cat([torch.full_like(key_pos[:, : key_pos.shape[1] - n_new], -1), q_block], dim=1)
+            allowed = allowed | ((q_block[:, :, None] == k_block[:, None, :]) & (q_block[:, :, None] >= 0))
+        window = self.windows[self._layer]
+        if window is not None:
+            allowed = allowed & (key_pos[:, None, :] > query_pos[:, :, None] - window)
+        if key_valid is not None:
+            allowed = allowed & key_valid[:, None, :]
+        n_query, n_key = query_pos.shape[1], key_pos.shape[1]
+        # A filler query sees at least itself, so its softmax stays finite; its output is discarded.
+        own = torch.arange(n_key, device=key_pos.device) == (
+            torch.arange(n_query, device=key_pos.device)[:, None] + (n_key - n_query)
+        )
+        allowed = (allowed | own).unsqueeze(1)
+        if self.text_config._attn_implementation == "eager":
+            zero = torch.zeros((), dtype=dtype, device=allowed.device)
+            return torch.where(allowed, zero, torch.finfo(dtype).min)
+        return allowed
