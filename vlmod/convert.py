@@ -91,7 +91,8 @@ def _check_llava(config: Any, source: str) -> type:
         what = getattr(config, "model_type", type(config).__name__)
         arch = ", ".join(getattr(config, "architectures", None) or []) or "no architectures listed"
         raise ConvertError(
-            f"{source} is not a supported vision-language checkpoint: it is a {what!r} model ({arch}). "
+            f"{source} is not a LLaVA checkpoint nor another supported vision-language model: it is a {what!r} "
+            f"model ({arch}). "
             f"vlmod convert supports: {', '.join(vlm_families())}"
         )
     return cls
