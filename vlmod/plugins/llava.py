@@ -98,6 +98,56 @@ class _Batch:
     positions: Tensor  # [B, L] absolute index in the (padded) sequence: orders keys causally
 
 
+class _KeySlots:
+    """Absolute positions and validity of the slots one MoD layer's KV cache holds, kept as the
+    chunks each forward appended: a decode step appends a reference, no copy; chunks are joined
+    only when a mask needs them. Unpacks as (positions, validity or None)."""
+
+    def __init__(self) -> None:
+        self.pos: list[Tensor] = []
+        self.valid: list[Tensor | None] = []
+        self.length = 0
+
+    def append(self, pos: Tensor, valid: Tensor | None) -> None:
+        self.pos.append(pos)
+        self.valid.append(valid)
+        self.length += pos.shape[1]
+
+    def trim(self, n: int, layer_idx: int) -> None:
+        """Keep the first `n` slots (the cache was cropped, or a forward is recomputed)."""
+        if n > self.length:
+            raise RuntimeError(
+                f"the KV cache of MoD layer {layer_idx} holds {n} tokens but vlmod routed {self.length}; "
+                "start generation from an empty cache"
+            )
+        if n < self.length:
+            pos, valid = self.positions(), self.validity()
+            self.pos, self.valid, self.length = [pos[:, :n]], [None if valid is None else valid[:, :n]], n
+
+    def _join(self) -> None:
+        if len(self.pos) > 1:
+            valid = None
+            if any(v is not None for v in self.valid):
+                parts = [torch.ones_like(p, dtype=torch.bool) if v is None else v for p, v in zip(self.pos, self.valid, strict=True)]
+                valid = torch.cat(parts, dim=1)
+            self.pos, self.valid = [torch.cat(self.pos, dim=1)], [valid]
+
+    def positions(self) -> Tensor:
+        """[B, n] absolute position of each slot."""
+        self._join()
+        return self.pos[0]
+
+    def validity(self) -> Tensor | None:
+        """[B, n] bool, or None when every slot is valid."""
+        if all(v is None for v in self.valid):
+            return None
+        self._join()
+        return self.valid[0]
+
+    def __iter__(self) -> Any:
+        return iter((self.positions(), self.validity()))
+
+
 class DecoderAdapter:
     """Calls a LLaVA decoder layer on the routed tokens."""
 
@@ -117,7 +167,7 @@ class DecoderAdapter:
         ]
         self.batch: _Batch | None = None
         # Per MoD layer: absolute positions and validity of the slots in its KV cache.
-        self.cache_slots: dict[int, tuple[Tensor, Tensor]] = {}
+        self.cache_slots: dict[int, Any] = {}
 
     # -- token types, once per forward -------------------------------------------------------
 
@@ -174,8 +224,12 @@ class DecoderAdapter:
             # causal predictor it always runs.
             routable = tuple(t for t in routable if t != TokenType.RESPONSE)
         threshold = decoding and TokenType.RESPONSE in routable
-        layout = TokenLayout.from_types(types, routable, () if threshold else part.capacities.values())
-        layout.threshold = threshold
+        if decoding and not threshold and types.shape[1] == 1:
+            # A decode step of generate: one new, real token per row, which runs every layer.
+            layout = TokenLayout.all_processed(types, routable)
+        else:
+            layout = TokenLayout.from_types(types, routable, () if threshold else part.capacities.values())
+            layout.threshold = threshold
         length = types.shape[1]
         positions = torch.arange(past_length, past_length + length, device=types.device).expand_as(types)
         self.batch = _Batch(layout=layout, positions=positions)
@@ -208,58 +262,108 @@ class DecoderAdapter:
             args[0] = x_sel
         else:
             kwargs["hidden_states"] = x_sel
-        batch = x_sel.shape[0]
-        position_ids = self.position_ids_arg.get(args, kwargs)
-        if position_ids is not None:
-            self.position_ids_arg.set(args, kwargs, sel.gather(position_ids.expand(batch, -1)))
-        rope = self.rope_arg.get(args, kwargs)
-        if rope is not None:
-            cos, sin = rope
-            self.rope_arg.set(
-                args, kwargs, (sel.gather(cos.expand(batch, *cos.shape[1:])), sel.gather(sin.expand(batch, *sin.shape[1:])))
-            )
+        if sel.index is not None:  # every token runs (a decode step): positions stay as they are
+            batch = x_sel.shape[0]
+            position_ids = self.position_ids_arg.get(args, kwargs)
+            if position_ids is not None:
+                self.position_ids_arg.set(args, kwargs, sel.gather(position_ids.expand(batch, -1)))
+            rope = self.rope_arg.get(args, kwargs)
+            if rope is not None:
+                cos, sin = rope
+                self.rope_arg.set(
+                    args, kwargs,
+                    (sel.gather(cos.expand(batch, *cos.shape[1:])), sel.gather(sin.expand(batch, *sin.shape[1:]))),
+                )
         query_pos = sel.gather(self.batch.positions)
         cache = self.cache_arg.get(args, kwargs)
-        key_pos, key_valid, cached = self._cached_keys(layer_idx, cache, query_pos, sel.valid)
+        if self.own_keys:
+            mask = self._keys_then_mask(layer_idx, cache, query_pos, sel.valid, x_sel.dtype)
+        else:
+            mask = self._slot_mask(layer_idx, cache, query_pos, sel.valid, x_sel.dtype)
+        self.mask_arg.set(args, kwargs, mask)
+        return upstream(*args, **kwargs)
+
+    # A subclass with key bookkeeping or a mask of its own (Gemma 3's sliding windows) sets this, or
+    # gets it by overriding `_cached_keys` / `_mask`: its layers then always go through both.
+    own_keys = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "_cached_keys" in cls.__dict__ or "_mask" in cls.__dict__:
+            cls.own_keys = True
+
+    def _keys_then_mask(
+        self, layer_idx: int, cache: Any, query_pos: Tensor, query_valid: Tensor | None, dtype: torch.dtype
+    ) -> Tensor | None:
+        key_pos, key_valid, cached = self._cached_keys(layer_idx, cache, query_pos, query_valid)
         impl = self.text_config._attn_implementation
         if impl != "eager" and key_valid is None and (cached == 0 or query_pos.shape[1] == 1):
             # No filler slot anywhere and every key precedes its query: plain causal attention,
             # which sdpa and flash run without a mask (is_causal).
-            mask = None
-        else:
-            mask = self._mask(query_pos, key_pos, key_valid, x_sel.dtype)
-        self.mask_arg.set(args, kwargs, mask)
-        return upstream(*args, **kwargs)
+            return None
+        return self._mask(query_pos, key_pos, key_valid, dtype)
+
+    def _slots(self, layer_idx: int, cache: Any) -> tuple[_KeySlots | None, int]:
+        """This layer's key slots trimmed to what its cache holds (which also covers recomputation
+        and resets; a fresh record when the cache is empty), and that count."""
+        if cache is None:
+            return None, 0
+        cached = int(cache.get_seq_length(layer_idx))
+        slots = self.cache_slots.get(layer_idx) if cached else None
+        if slots is None:
+            if cached:
+                raise RuntimeError(
+                    f"the KV cache of MoD layer {layer_idx} holds {cached} tokens that vlmod did not route; "
+                    "start generation from an empty cache"
+                )
+            slots = self.cache_slots[layer_idx] = _KeySlots()
+        slots.trim(cached, layer_idx)
+        return slots, cached
+
+    def _slot_mask(
+        self, layer_idx: int, cache: Any, query_pos: Tensor, query_valid: Tensor | None, dtype: torch.dtype
+    ) -> Tensor | None:
+        """The mask of this layer's attention over its cached slots and the current queries (which
+        the upstream attention appends to the cache), or None where plain causal attention is
+        right. Key positions are joined only when a mask needs them: a decode step's single query
+        follows every cached key, so only filler slots can need masking then."""
+        slots, cached = self._slots(layer_idx, cache)
+        prev_valid = slots.validity() if cached else None
+        if slots is not None:
+            slots.append(query_pos, query_valid)
+        n_query = query_pos.shape[1]
+        impl = self.text_config._attn_implementation
+        if prev_valid is None and query_valid is None and (n_query == 1 or (cached == 0 and impl != "eager")):
+            return None
+        if n_query == 1 and cached:
+            # The query sees every valid cached key and itself (a filler query stays finite).
+            keys = prev_valid if prev_valid is not None else torch.ones_like(query_pos, dtype=torch.bool).expand(-1, cached)
+            return self._validity_mask(torch.cat([keys, torch.ones_like(query_pos, dtype=torch.bool)], dim=1), dtype)
+        if slots is None:
+            return self._mask(query_pos, query_pos, query_valid, dtype)
+        return self._mask(query_pos, slots.positions(), slots.validity(), dtype)
+
+    def _validity_mask(self, key_valid: Tensor, dtype: torch.dtype) -> Tensor:
+        """The mask of one query per row that may see exactly the keys in `key_valid` [B, n_key]."""
+        impl = self.text_config._attn_implementation
+        if impl == "flash_attention_2":
+            return key_valid.long()
+        allowed = key_valid[:, None, None, :]
+        if impl == "eager":
+            zero = torch.zeros((), dtype=dtype, device=allowed.device)
+            return torch.where(allowed, zero, torch.finfo(dtype).min)
+        return allowed
 
     def _cached_keys(
         self, layer_idx: int, cache: Any, query_pos: Tensor, query_valid: Tensor | None
     ) -> tuple[Tensor, Tensor | None, int]:
         """Positions and validity (None: all valid) of every key this layer's attention will see,
-        and how many were cached before: its cached slots (trimmed to the cache's real length,
-        which also covers recomputation and resets) and the current queries, which the upstream
-        attention appends to the cache."""
-        if cache is None:
+        and how many were cached before: its cached slots and the current queries."""
+        slots, cached = self._slots(layer_idx, cache)
+        if slots is None:
             return query_pos, query_valid, 0
-        cached = int(cache.get_seq_length(layer_idx))
-        prev = self.cache_slots.get(layer_idx) if cached else None
-        if prev is None:
-            key_pos, key_valid = query_pos, query_valid
-        else:
-            prev_pos, prev_valid = prev
-            if prev_pos.shape[1] < cached:
-                raise RuntimeError(
-                    f"the KV cache of MoD layer {layer_idx} holds {cached} tokens that vlmod did not route; "
-                    "start generation from an empty cache"
-                )
-            key_pos = torch.cat([prev_pos[:, :cached], query_pos], dim=1)
-            if prev_valid is None and query_valid is None:
-                key_valid = None
-            else:
-                ones = torch.ones_like(query_pos, dtype=torch.bool)
-                old = prev_valid[:, :cached] if prev_valid is not None else torch.ones_like(prev_pos[:, :cached], dtype=torch.bool)
-                key_valid = torch.cat([old, query_valid if query_valid is not None else ones], dim=1)
-        self.cache_slots[layer_idx] = (key_pos, key_valid)
-        return key_pos, key_valid, cached
+        slots.append(query_pos, query_valid)
+        return slots.positions(), slots.validity(), cached
 
     def _mask(
         self, query_pos: Tensor, key_pos: Tensor, key_valid: Tensor | None, dtype: torch.dtype

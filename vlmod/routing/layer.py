@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from vlmod.config import MoDConfig
 from vlmod.routing.attention import attention_keys
-from vlmod.routing.router import Router, gate, selection_keys
+from vlmod.routing.router import Router, gated_residual, selection_keys
 from vlmod.routing.selection import Selection, TokenLayout, select_tokens
 
 ROUTER_ATTR = "mod_router"
@@ -113,6 +113,13 @@ class LayerRouting:
         x = adapter.hidden_states(args, kwargs)
         layout = adapter.layout(part, x, args, kwargs)
         scores = part.router_for(self.layer_idx)(x)
+        if layout.every_token:
+            # A decode step: every token runs, so no keys, ranking, gather or scatter.
+            sel = Selection(index=None, valid=None, length=x.shape[1])
+            y = adapter.run(upstream, x, sel, args, kwargs, self.layer_idx)
+            out = gated_residual(x, y, scores, cfg.gate, cfg.gate_alpha)
+            part.record(self.layer_idx, sel, scores, layout)
+            return adapter.output(out, args, kwargs)
         keys = self.keys(x, scores, layout, args, kwargs)
         sel = select_tokens(keys, layout, self.capacity)
         if sel.index is not None and sel.index.shape[1] == 0:
@@ -120,15 +127,12 @@ class LayerRouting:
             return adapter.output(x, args, kwargs)
         x_sel = sel.gather(x)
         y_sel = adapter.run(upstream, x_sel, sel, args, kwargs, self.layer_idx)
-        g = gate(sel.gather(scores), cfg.gate, cfg.gate_alpha)
-        # x + g (y - x), written as y + (g - 1)(y - x) so that g == 1 gives y bit for bit.
-        new = y_sel if g is None else y_sel + (g - 1).unsqueeze(-1).to(y_sel.dtype) * (y_sel - x_sel)
+        new = gated_residual(x_sel, y_sel, sel.gather(scores), cfg.gate, cfg.gate_alpha)
         if sel.valid is not None:
             new = torch.where(sel.valid.unsqueeze(-1), new, x_sel)
         out = sel.scatter(x, new)
         part.record(self.layer_idx, sel, scores, layout)
         return adapter.output(out, args, kwargs)
-
 
     def keys(self, x: Tensor, scores: Tensor, layout: TokenLayout, args: tuple, kwargs: dict) -> Tensor:
         """What top-k ranks at this layer under the part's current router kind."""

@@ -18,7 +18,9 @@ class Router(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         """x [B, L, D] -> router logits [B, L]."""
-        return super().forward(x.to(self.weight.dtype)).squeeze(-1)
+        if x.dtype != self.weight.dtype:  # a no-op .to() still costs a dispatch per layer and step
+            x = x.to(self.weight.dtype)
+        return super().forward(x).squeeze(-1)
 
 
 def gate(scores: Tensor, kind: str, alpha: float) -> Tensor | None:
@@ -30,6 +32,20 @@ def gate(scores: Tensor, kind: str, alpha: float) -> Tensor | None:
     if kind == "none":
         return None
     raise ValueError(f"unknown gate {kind!r}")
+
+
+def gated_residual(x: Tensor, y: Tensor, scores: Tensor, kind: str, alpha: float) -> Tensor:
+    """x + g(r) (y - x) for token states x, y [B, K, D] and router logits r [B, K], as one
+    `torch.lerp`: for weights >= 0.5 it computes y - (y - x)(1 - g), so g == 1 gives y bit for bit
+    (a fresh conversion at capacity 1.0 is the upstream model exactly), and the gate stays on the
+    gradient path of the router."""
+    g = gate(scores, kind, alpha)
+    if g is None:
+        return y
+    g = g.unsqueeze(-1)
+    if g.dtype != y.dtype:
+        g = g.to(y.dtype)
+    return torch.lerp(x, y, g)
 
 
 def selection_keys(

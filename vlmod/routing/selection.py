@@ -43,6 +43,9 @@ class TokenLayout:
     # Decode steps with routable text: a token runs iff its router logit is > 0 (the causal
     # predictor trained by aux_loss="bce"), since it cannot be ranked against future tokens.
     threshold: bool = False
+    # Every token of the batch runs every MoD layer whatever the capacity (a decode step), known
+    # without looking at the types: no budget, no ranking, no host sync (`every_token`).
+    every_token: bool = False
     _budgets: dict[float, Budget] = field(default_factory=dict, repr=False)
     # Query tokens of the attention router (index, valid), once per forward: routing/attention.py.
     _queries: tuple[Tensor, Tensor | None] | None = field(default=None, repr=False)
@@ -61,6 +64,17 @@ class TokenLayout:
         protected = (token_types != TokenType.PADDING) & ~routable
         layout = cls(token_types=token_types, routable=routable, protected=protected)
         layout.prepare(capacities)
+        return layout
+
+    @classmethod
+    def all_processed(cls, token_types: Tensor, routable_types: Iterable[TokenType]) -> TokenLayout:
+        """Layout of a batch of one token per row that is not padding (a decode step of
+        `generate`): whatever its type, the token runs, since a lone routable token gets
+        k = ceil(capacity * 1) = 1 slot. Nothing is computed from the types, so no host sync."""
+        if token_types.shape[1] != 1:
+            raise ValueError(f"all_processed is for one token per row, got {token_types.shape[1]}")
+        layout = cls.from_types(token_types, routable_types)
+        layout.every_token = True
         return layout
 
     @classmethod
@@ -99,6 +113,9 @@ class TokenLayout:
 
     def budget(self, capacity: float) -> Budget:
         """The slots of this batch at `capacity`."""
+        if self.every_token:
+            length = self.shape[1]
+            return Budget(self.routable.sum(1), length, True, True)
         if self.num_prefix is not None:
             length = self.shape[1]
             k = capacity_to_k(capacity, length - self.num_prefix)
@@ -151,6 +168,8 @@ def select_tokens(keys: Tensor, layout: TokenLayout, capacity: float) -> Selecti
         processed = layout.protected | (layout.routable & (keys > 0))
         positions = torch.arange(length, device=keys.device).expand(batch, length)
         return _ordered_selection(processed, positions, int(processed.sum(1).max()), uniform=False)
+    if layout.every_token:
+        return Selection(index=None, valid=None, length=length)
     budget = layout.budget(capacity)
     if budget.full:
         return Selection(index=None, valid=None, length=length)

@@ -1,0 +1,155 @@
+"""The decode fast path: a decode step of a MoD model does no routing work and no host sync, and
+computes what the general path computes."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections import Counter
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import vlmod
+from vlmod import tiny
+
+# Tensor methods that copy a value to the host (a device sync on an accelerator).
+SYNCS = ("item", "tolist", "nonzero", "__bool__", "__int__", "__float__", "__index__")
+# Routing work a decode step must not do: ranking, gathering or scattering tokens.
+ROUTING_OPS = {"topk", "sort", "argsort", "index", "index_put", "index_put_", "gather", "scatter", "scatter_"}
+
+
+@contextlib.contextmanager
+def count_syncs() -> Iterator[Counter]:
+    counts: Counter = Counter()
+    originals = {name: getattr(torch.Tensor, name) for name in SYNCS}
+
+    def counting(name: str, original):  # noqa: ANN001, ANN202
+        def wrapper(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+            counts[name] += 1
+            return original(self, *args, **kwargs)
+
+        return wrapper
+
+    try:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, counting(name, original))
+        yield counts
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+
+
+class CountOps(TorchDispatchMode):
+    """Every aten op dispatched, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _inputs(processor, family: str, mixed: bool) -> dict:
+    rng = np.random.RandomState(0)
+    sizes = [(32, 32), (48, 64)] if mixed else [(32, 32), (32, 32)]
+    images = [Image.fromarray((rng.rand(h, w, 3) * 255).astype("uint8")) for h, w in sizes]
+    questions = ["what color", "how many objects are in the image ?"] if mixed else ["what color"] * 2
+    prompts = [
+        processor.apply_chat_template(
+            [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": q}]}], add_generation_prompt=True
+        )
+        for q in questions
+    ]
+    return dict(processor(images=images, text=prompts, return_tensors="pt", padding=True))
+
+
+@pytest.fixture(scope="module")
+def llava():
+    model, processor = tiny.build("llava")
+    return model.eval(), _inputs(processor, "llava", mixed=False)
+
+
+def _decode_step(model, inputs: dict) -> tuple[dict, torch.Tensor]:
+    """(the kwargs of the first decode step after a prefill of `inputs`, the prefill's logits)."""
+    with torch.inference_mode():
+        out = model(**inputs, use_cache=True, logits_to_keep=1)
+    token = out.logits[:, -1].argmax(-1, keepdim=True)
+    mask = torch.cat([inputs["attention_mask"], torch.ones_like(token)], dim=1)
+    return dict(input_ids=token, attention_mask=mask, past_key_values=out.past_key_values, use_cache=True), out.logits
+
+
+def _step_counts(model, inputs: dict) -> tuple[Counter, Counter, torch.Tensor]:
+    step, _ = _decode_step(model, inputs)
+    with torch.inference_mode(), count_syncs() as syncs, CountOps() as ops:
+        logits = model(**step).logits
+    return syncs, ops.ops, logits
+
+
+@pytest.mark.parametrize("capacity", [0.5, 1.0])
+def test_decode_step_does_no_routing_work_and_no_host_sync(llava, capacity: float):
+    model, inputs = llava
+    mod = vlmod.apply_mod(copy.deepcopy(model), vlmod.MoDConfig(capacity=capacity))
+    n_mod = len(vlmod.mod_layers(mod))
+    dense_syncs, dense_ops, _ = _step_counts(model, inputs)
+    mod_syncs, mod_ops, _ = _step_counts(mod, inputs)
+    assert mod_syncs == dense_syncs, (mod_syncs, dense_syncs)
+    assert not ROUTING_OPS & {op for op, n in mod_ops.items() if n > dense_ops.get(op, 0)}, mod_ops - dense_ops
+    # The only concatenations are the KV cache's own: no key positions joined per layer and step.
+    assert mod_ops["cat"] == dense_ops["cat"]
+    # Router (linear, squeeze), gate (tanh, mul, add), one lerp, and a few views per MoD layer,
+    # plus the token types of the step once.
+    extra = sum(mod_ops.values()) - sum(dense_ops.values())
+    assert extra <= 8 * n_mod + 20, (extra, mod_ops - dense_ops)
+
+
+def test_prefill_syncs_at_most_once(llava):
+    model, inputs = llava
+    mod = vlmod.apply_mod(copy.deepcopy(model), vlmod.MoDConfig(capacity=0.5))
+    with torch.inference_mode():
+        with count_syncs() as dense:
+            model(**inputs, use_cache=True)
+        with count_syncs() as routed:
+            mod(**inputs, use_cache=True)
+    assert sum(routed.values()) - sum(dense.values()) <= 1, (routed, dense)
+
+
+def test_capacity_one_generates_exactly_what_upstream_generates(llava):
+    model, inputs = llava
+    mod = vlmod.apply_mod(copy.deepcopy(model), vlmod.MoDConfig(capacity=1.0, layers="all"))
+    kwargs = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0, output_logits=True,
+                  return_dict_in_generate=True)
+    with torch.inference_mode():
+        a = model.generate(**inputs, **kwargs)
+        b = mod.generate(**inputs, **kwargs)
+    assert torch.equal(a.sequences, b.sequences)
+    for x, y in zip(a.logits, b.logits, strict=True):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("family", ["llava_next"])
+def test_decode_with_filler_slots_sdpa_matches_eager(family: str):
+    """Rows that processed different token counts leave filler slots in the MoD caches; a decode
+    step then masks them by validity alone, under sdpa and eager alike."""
+    eager_model, processor = tiny.build(family, attn_implementation="eager")
+    sdpa_model, _ = tiny.build(family, attn_implementation="sdpa")
+    sdpa_model.load_state_dict(eager_model.state_dict())
+    inputs = _inputs(processor, family, mixed=True)
+    config = vlmod.MoDConfig(capacity=0.5)
+    eager = vlmod.apply_mod(eager_model, config)
+    sdpa = vlmod.apply_mod(sdpa_model, config)
+    kwargs = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0, output_logits=True,
+                  return_dict_in_generate=True)
+    with torch.inference_mode():
+        a = eager.generate(**inputs, **kwargs)
+        b = sdpa.generate(**inputs, **kwargs)
+    slots = sdpa.model.language_model.__dict__["_vlmod_part"].adapter.cache_slots
+    assert any(valid is not None for _, valid in slots.values()), "the batch left no filler slot to mask"
+    assert torch.equal(a.sequences, b.sequences)
+    assert torch.allclose(torch.stack(a.logits), torch.stack(b.logits), atol=1e-4, rtol=1e-4)
