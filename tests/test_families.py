@@ -279,3 +279,66 @@ def test_unsupported_parts_and_models(qwen3):
     for name in ("LlavaForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
                  "InternVLForConditionalGeneration", "Gemma3ForConditionalGeneration", "open_clip"):
         assert name in str(err.value)
+
+
+# -- encoders: open_clip towers with a timm trunk, Siglip2 (NaFlex) --------------------------------
+
+
+def test_open_clip_timm_trunk_tower():
+    """open_clip's TimmModel (the ViT-*-SigLIP towers): the timm trunk is routed, its attention
+    pooling ("map") and open_clip's head still run on every token."""
+    import open_clip
+
+    model = open_clip.CLIP(
+        embed_dim=192,  # as ViT-B-16-SigLIP: attention pool, no projection
+        vision_cfg={"timm_model_name": "vit_tiny_patch16_224", "timm_pool": "map", "timm_proj": "none", "image_size": 224},
+        text_cfg={"width": 32, "heads": 4, "layers": 1, "context_length": 8, "vocab_size": 100},
+    ).eval()
+    images = torch.randn(2, 3, 224, 224)
+    mod = vlmod.apply_mod(copy.deepcopy(model), vlmod.MoDConfig(capacity=1.0, layers="all"))
+    with torch.no_grad():
+        assert (mod.encode_image(images) - model.encode_image(images)).abs().max() <= 1e-5
+    vlmod.remove_mod(mod)
+    vlmod.apply_mod(mod.visual, vlmod.MoDConfig(capacity=0.25, layers=[10]))  # the tower alone works too
+    with vlmod.trace_routing(mod) as trace, torch.no_grad():
+        out = mod.encode_image(images)
+    assert out.shape == (2, 192)
+    assert (trace.processed[("vision", 10)].sum(1) == 1 + math.ceil(0.25 * 196)).all()  # CLS + k patches
+
+
+@pytest.fixture(scope="module")
+def siglip2():
+    import transformers as tf
+
+    config = tf.Siglip2VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                                    patch_size=4, num_patches=16)
+    config._attn_implementation = "sdpa"
+    model = tf.Siglip2VisionModel(config).eval()
+    rng = np.random.RandomState(0)
+    images = [Image.fromarray((rng.rand(h, w, 3) * 255).astype("uint8")) for h, w in [(16, 16), (16, 48), (32, 32)]]
+    inputs = dict(tf.Siglip2ImageProcessor(patch_size=4, max_num_patches=16)(images=images, return_tensors="pt"))
+    return model, inputs
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_siglip2_padded_patches_never_count(siglip2, attn):
+    model, inputs = siglip2
+    model = copy.deepcopy(model)
+    model.config._attn_implementation = attn
+    real = inputs["pixel_attention_mask"].bool()
+    assert len(set(real.sum(1).tolist())) == 2  # the 16 x 48 image has padded patches
+    mod = vlmod.apply_mod(copy.deepcopy(model), vlmod.MoDConfig(capacity=1.0, layers="all"))
+    with torch.no_grad():
+        dense, got = model(**inputs), mod(**inputs)
+    assert (got.last_hidden_state[real] - dense.last_hidden_state[real]).abs().max() <= 1e-5
+    assert (got.pooler_output - dense.pooler_output).abs().max() <= 1e-5
+    vlmod.remove_mod(mod)
+    vlmod.apply_mod(mod, vlmod.MoDConfig(capacity=0.5, layers="all"))
+    with vlmod.trace_routing(mod) as trace, torch.no_grad():
+        batched = mod(**inputs).pooler_output
+        for row in range(3):  # alone: no row with fewer real patches, so no skipped slot to hide
+            alone = mod(**{k: v[row : row + 1] for k, v in inputs.items()}).pooler_output[0]
+            assert torch.allclose(batched[row], alone, atol=1e-5), row
+    for processed in trace.steps[0].values():
+        assert torch.equal(processed[0].sum(1), torch.ceil(real.sum(1) * 0.5).long())
+        assert not processed[0][~real].any()

@@ -35,9 +35,9 @@ class Plugin(Protocol):
 
 
 def plugins() -> list[Plugin]:
-    from vlmod.plugins import gemma3, hf_vision, internvl, llava, open_clip, qwen_vl, timm
+    from vlmod.plugins import gemma3, hf_vision, internvl, llava, open_clip, qwen_vl, siglip2, timm
 
-    return [llava, qwen_vl, internvl, gemma3, timm, open_clip, hf_vision]
+    return [llava, qwen_vl, internvl, gemma3, timm, open_clip, hf_vision, siglip2]
 
 
 def supported_families() -> list[str]:

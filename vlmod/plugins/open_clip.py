@@ -9,16 +9,17 @@ from vlmod.config import MoDConfig
 from vlmod.plugins import PartSpec
 from vlmod.plugins.vit import ViTAdapter, gather_rows, split_heads
 
-FAMILIES = ("open_clip CLIP / VisionTransformer",)
+FAMILIES = ("open_clip CLIP / VisionTransformer / TimmModel (timm ViT trunk: ViT-B-16-SigLIP, ...)",)
 
 
 def _classes() -> tuple[type, ...]:
     try:
         from open_clip.model import CLIP, CustomTextCLIP
+        from open_clip.timm_model import TimmModel
         from open_clip.transformer import VisionTransformer
     except ImportError:
         return ()
-    return CLIP, CustomTextCLIP, VisionTransformer
+    return CLIP, CustomTextCLIP, VisionTransformer, TimmModel
 
 
 def matches(model: nn.Module) -> bool:
@@ -31,11 +32,20 @@ def part_spec(model: nn.Module, part: str | None, config: MoDConfig) -> PartSpec
 
     if part not in (None, "vision"):
         raise ValueError(f"open_clip models convert their image tower only: use part='vision', not {part!r}")
-    visual = model if isinstance(model, VisionTransformer) else model.visual
+    from open_clip.timm_model import TimmModel
+
+    from vlmod.plugins import timm
+
+    visual = model if isinstance(model, (VisionTransformer, TimmModel)) else model.visual
+    if isinstance(visual, TimmModel) and timm.matches(visual.trunk):
+        # A timm ViT trunk (the SigLIP towers): the timm plugin routes it; the trunk's own pooling
+        # (attention pool "map", or none) and open_clip's head run after its blocks, on every token.
+        return timm.part_spec(visual.trunk, "vision", config)
     if not isinstance(visual, VisionTransformer):
         raise TypeError(
-            f"this open_clip model's image tower is a {type(visual).__name__} (a timm or CNN trunk), "
-            "not an open_clip VisionTransformer; convert the timm trunk (model.visual.trunk) instead"
+            f"this open_clip model's image tower is a {type(visual).__name__} "
+            f"({type(getattr(visual, 'trunk', visual)).__name__}), not a ViT; vlmod converts open_clip "
+            "VisionTransformer towers and TimmModel towers whose trunk is a timm VisionTransformer"
         )
     transformer = visual.transformer
     blocks = transformer.resblocks
