@@ -342,3 +342,23 @@ def test_siglip2_padded_patches_never_count(siglip2, attn):
     for processed in trace.steps[0].values():
         assert torch.equal(processed[0].sum(1), torch.ceil(real.sum(1) * 0.5).long())
         assert not processed[0][~real].any()
+
+
+@pytest.mark.parametrize(
+    "name, layers",
+    [
+        ("qwen2.5-vl-7b-instruct", "every_other"),
+        ("qwen3-vl-8b-instruct", list(range(3, 36, 2))),  # layers 0-2 take deepstack features: dense
+        ("internvl3-8b", "every_other"),
+        ("gemma-3-4b-it", "every_other"),
+    ],
+)
+def test_convert_configs_of_real_checkpoints(name, layers):
+    from pathlib import Path
+
+    from vlmod.convert import ConvertOptions
+
+    path = Path(__file__).resolve().parents[1] / "configs" / "convert" / f"{name}.yaml"
+    options = ConvertOptions.from_yaml(path)
+    assert options.layers == layers and options.dtype == "bfloat16"
+    assert options.language_config().capacity == 0.5
