@@ -82,16 +82,18 @@ def build_pair(
     """
     words = 60
     if model is not None:
-        from vlmod.hf import load_llava
+        from vlmod.hf import llava_class, load_config, load_llava, part_configs
 
+        llava_class(model, InputError, "bench measures")  # a missing or foreign checkpoint: one line
+        settings = getattr(load_config(model), "vlmod", None)
+        if settings and (capacity is not None or layers is not None):
+            parts = ", ".join(f"{part}: capacity {c.capacity:g}, layers {c.layers}" for part, c in part_configs(settings).items())
+            raise InputError(
+                f"{model} is already converted to MoD ({parts}); drop --capacity / --layers to measure it "
+                "as saved, or give the plain checkpoint to convert it otherwise"
+            )
         mod, processor = load_llava(model, InputError, "bench measures", converted=True)
-        own = vlmod.mod_layers(mod)
-        if own:
-            if capacity is not None or layers is not None:
-                raise InputError(
-                    f"{model} is already converted to MoD ({_own(own)}); drop --capacity / --layers to "
-                    "measure it as saved, or give the plain checkpoint to convert it otherwise"
-                )
+        if vlmod.mod_layers(mod):
             dense, _ = load_llava(model, InputError, "bench measures", converted=False)
             return dense.eval(), mod.eval(), processor, words, "the checkpoint's own MoD layers"
         dense = mod.eval()
@@ -106,12 +108,6 @@ def build_pair(
     except (ValueError, TypeError) as e:
         raise InputError(str(e)) from e
     return dense, mod, processor, words, "converted here"
-
-
-def _own(layers: Mapping[tuple[str, int], float]) -> str:
-    from vlmod.bench.report import describe_layers
-
-    return describe_layers({f"{p}:{i}": c for (p, i), c in layers.items()})
 
 
 def kv_cache_bytes(cache: Any) -> int:
