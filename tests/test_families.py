@@ -362,3 +362,30 @@ def test_convert_configs_of_real_checkpoints(name, layers):
     options = ConvertOptions.from_yaml(path)
     assert options.layers == layers and options.dtype == "bfloat16"
     assert options.language_config().capacity == 0.5
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_attention_router_is_the_eager_attention_from_instruction_tokens(name, monkeypatch):
+    """The training-free router's keys at layer 3 are the dense model's own layer-3 attention map
+    (eager; q/k norms of Qwen3 and Gemma 3 included), averaged over heads and instruction rows."""
+    from vlmod.routing.layer import LayerRouting
+
+    seen = {}
+    original = LayerRouting.keys
+    monkeypatch.setattr(LayerRouting, "keys", lambda self, *a, **k: seen.setdefault(self.layer_idx, original(self, *a, **k)))
+    model, processor = tiny.build(name, attn_implementation="eager", **BUILD.get(name, {}))
+    sizes = GEMMA_SIZES if name == "gemma3" else SIZES
+    inputs = _encode(processor, name, [_row(processor, name, q, s, i) for i, (q, s) in enumerate(zip(QUESTIONS, sizes, strict=True))])
+    mod = vlmod.apply_mod(copy.deepcopy(model), vlmod.MoDConfig(capacity=0.5, layers=[3], router="attention"))
+    with torch.no_grad(), vlmod.trace_routing(mod) as trace:
+        mod(**inputs)
+        maps = model(**inputs, output_attentions=True).attentions[3]
+    types = trace.token_types
+    for b in range(types.shape[0]):
+        query = types[b] == int(TokenType.INSTRUCTION)
+        real = types[b] != int(TokenType.PADDING)
+        expected = maps[b][:, query].mean((0, 1))
+        torch.testing.assert_close(seen[3][b][real], expected[real], rtol=1e-4, atol=1e-6)
+    if name == "gemma3":
+        with pytest.raises(ValueError, match="sliding window"):
+            vlmod.apply_mod(copy.deepcopy(model), vlmod.MoDConfig(layers=[2], router="attention"))

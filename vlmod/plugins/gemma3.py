@@ -102,6 +102,17 @@ class Gemma3Adapter(DecoderAdapter):
         y = super().run(upstream, x_sel[rows, order], first, args, kwargs, layer_idx)
         return y[rows, order.argsort(dim=1)]
 
+    def check_attention_router(self, blocks: list[nn.Module]) -> None:
+        """The attention router's scores are causal over every key; a sliding-window layer's
+        instruction tokens see only their window, so only full-attention layers can be scored."""
+        super().check_attention_router(blocks)
+        for block in blocks:
+            if block.self_attn.sliding_window is not None or block.self_attn.attn_logit_softcapping:
+                raise ValueError(
+                    f"the attention router cannot score Gemma 3 layer {block.self_attn.layer_idx}: it uses a sliding "
+                    "window (or logit soft-capping); name full-attention layers, or use the learned router"
+                )
+
     def _cached_keys(
         self, layer_idx: int, cache: Any, query_pos: Tensor, query_valid: Tensor | None
     ) -> tuple[Tensor, Tensor | None, int]:

@@ -422,6 +422,8 @@ class DecoderAdapter:
         h = block.input_layernorm(x)
         q = attn.q_proj(h[rows, query_index]).view(batch, query_index.shape[1], -1, attn.head_dim).transpose(1, 2)
         k = attn.k_proj(h).view(batch, length, -1, attn.head_dim).transpose(1, 2)
+        if getattr(attn, "q_norm", None) is not None:  # Qwen3 / Gemma 3: per-head RMSNorm before RoPE
+            q, k = attn.q_norm(q), attn.k_norm(k)
         rope = self.rope_arg.get(args, kwargs)
         if rope is None:
             raise ValueError("the attention router needs the position embeddings (cos, sin) the layer receives")
