@@ -268,6 +268,24 @@ def test_gemma3_vision_tower_and_refusals():
         vlmod.apply_mod(flash, vlmod.MoDConfig())
 
 
+def test_internvl_vision_tower(fam):
+    """InternViT, the tower of every InternVL: its patches routed, the class token always run; at
+    capacity 1.0 the whole model (tower and language model converted) is the upstream one."""
+    if fam.name != "internvl":
+        pytest.skip("InternViT is InternVL's tower")
+    mod = vlmod.apply_mod(copy.deepcopy(fam.model), vlmod.MoDConfig(capacity=1.0, layers="all"), part="vision")
+    vlmod.apply_mod(mod, vlmod.MoDConfig(capacity=1.0, layers="all"))
+    mask = fam.inputs["attention_mask"].bool()
+    with torch.no_grad():
+        assert (mod(**fam.inputs).logits[mask] - fam.model(**fam.inputs).logits[mask]).abs().max() <= 1e-5
+    vlmod.remove_mod(mod)
+    vlmod.apply_mod(mod, vlmod.MoDConfig(capacity=0.5, layers=[1]), part="vision")
+    with vlmod.trace_routing(mod) as trace, torch.no_grad():
+        mod(**fam.inputs)
+    tiles = trace.processed[("vision", 1)]  # [tiles, 1 + patches]
+    assert tiles[:, 0].all() and (tiles.sum(1) == 1 + math.ceil(0.5 * (tiles.shape[1] - 1))).all()
+
+
 def test_unsupported_parts_and_models(qwen3):
     model = qwen3[0]
     with pytest.raises(ValueError, match="packed"):
