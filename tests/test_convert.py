@@ -141,7 +141,8 @@ def test_existing_output_is_kept_without_overwrite_and_replaced_with_it(checkpoi
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
-def test_nothing_half_written_when_saving_fails(checkpoint, tmp_path, monkeypatch):
+def test_nothing_half_written_when_saving_fails(checkpoint, tmp_path, monkeypatch, capsys):
+    """A full disk is one `error:` line (exit 2), and the old --out is untouched."""
     from transformers import LlavaForConditionalGeneration
 
     out = tmp_path / "out"
@@ -152,7 +153,10 @@ def test_nothing_half_written_when_saving_fails(checkpoint, tmp_path, monkeypatc
         raise OSError("disk full")
 
     monkeypatch.setattr(LlavaForConditionalGeneration, "save_pretrained", broken_save)
-    with pytest.raises(OSError, match="disk full"):
-        main(["convert", "--model", str(checkpoint), "--out", str(out), "--overwrite"])
+    assert main(["convert", "--model", str(checkpoint), "--out", str(out), "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    (line,) = [x for x in err.splitlines() if x.startswith("error:")]
+    assert line.startswith("error: could not save the converted model") and "disk full" in line
+    assert "Traceback" not in err
     assert (out / "keep.txt").read_text() == "old result"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]

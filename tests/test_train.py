@@ -97,7 +97,8 @@ def test_resume_continues_with_the_same_step_optimizer_and_data(workdir: Path, t
     straight = train(_cfg(workdir, tmp_path / "a", max_steps=9, save_steps=3, seed=3), progress=False)
     checkpoint = tmp_path / "a" / "checkpoints" / "step-3"
     state = json.loads((checkpoint / "trainer_state.json").read_text())
-    assert state == {"step": 3, "epoch": 0, "batch_in_epoch": 3}
+    assert {k: state[k] for k in ("step", "epoch", "batch_in_epoch")} == {"step": 3, "epoch": 0, "batch_in_epoch": 3}
+    assert state["run"]["seed"] == 3 and "output_dir" not in state["run"]  # the run it belongs to
     assert latest_checkpoint(tmp_path / "a").name == "step-6"
     # A second run that only has the step-3 checkpoint picks up from there.
     (tmp_path / "b" / "checkpoints").mkdir(parents=True)

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from vlmod.argtypes import device as device_type
 from vlmod.argtypes import fraction, non_negative_int, positive_int
 from vlmod.config import MoDConfig
 from vlmod.data.llava_format import IMAGE_EXTENSIONS, DataError, list_images, load_image, load_records
@@ -115,6 +116,17 @@ def _check_selection(
     for name, value in (("keep_first", keep_first), ("keep_last", keep_last)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+    free = num_layers - keep_first - keep_last
+    if free < 1:
+        raise ValueError(
+            f"keep_first={keep_first} and keep_last={keep_last} keep all {num_layers} layers dense, so no layer "
+            f"could be suggested; keep at most {num_layers - 1} layers in total"
+        )
+    if n is not None and n > free:
+        raise ValueError(
+            f"n={n} layers asked for, but only {free} of {num_layers} are left after keep_first={keep_first} "
+            f"and keep_last={keep_last}"
+        )
 
 
 @dataclass
@@ -257,6 +269,10 @@ class LayerRanks:
             d = json.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as e:
             raise ValueError(f"{path} is not valid JSON: {e.msg} at line {e.lineno}") from None
+        except UnicodeDecodeError:
+            raise ValueError(f"{path} is not a ranks JSON file (not UTF-8 text); give the ranks.json of `vlmod rank`") from None
+        except OSError as e:
+            raise ValueError(f"cannot read ranks file {path}: {e.strerror or e}") from None
         try:
             return cls.from_dict(d)
         except ValueError as e:
@@ -791,7 +807,9 @@ def add_rank_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     )
     parser.add_argument("--keep-last", type=non_negative_int, default=0, help="last K layers stay dense")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sample order (default: 0)")
-    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument(
+        "--device", type=device_type, default=None, help="torch device (default: cuda if available, else cpu)"
+    )
     parser.add_argument(
         "--dtype",
         choices=("auto", *DTYPES),
@@ -855,6 +873,11 @@ def _run_rank(args: argparse.Namespace) -> int:
     model_path = Path(args.model).expanduser()
     if str(args.model).startswith((".", "/", "~")) and not model_path.exists():
         raise RankInputError(f"model path {args.model} does not exist")
+    from vlmod.paths import check_output_file
+
+    check_output_file(args.out, "--out", inputs=[args.model, args.data], error=RankInputError)
+    if args.plot:
+        check_output_file(args.plot, "--plot", inputs=[args.model, args.data], error=RankInputError)
     samples = calibration_samples(args.data, image_root=args.image_root, prompt=args.prompt)
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))

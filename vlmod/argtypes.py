@@ -76,7 +76,7 @@ def device(text: str) -> str:
     try:
         dev = torch.device(text)
     except (RuntimeError, ValueError):
-        raise argparse.ArgumentTypeError(f"unknown torch device {text!r}; use cpu, cuda, cuda:N or mps") from None
+        raise argparse.ArgumentTypeError(f"--device {text}: not a torch device; use cpu, cuda, cuda:N or mps") from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise argparse.ArgumentTypeError(f"--device {text}: this machine has no CUDA GPU torch can use; use cpu")

@@ -475,7 +475,7 @@ class AuditInputError(InputError):
 
 def add_audit_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The flags of `vlmod audit` and `scripts/audit_routing.py`; sets `run=run_audit`."""
-    from vlmod.argtypes import positive_int
+    from vlmod.argtypes import device, positive_int
 
     parser.add_argument("--model", required=True, help="converted checkpoint directory (vlmod convert / finetune)")
     parser.add_argument("--data", required=True, help="LLaVA-format eval JSON (e.g. the synthetic set's val.json)")
@@ -491,7 +491,9 @@ def add_audit_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         help="torch.manual_seed before each router's evaluation and trace: seeds the random router unless "
         "the checkpoint's MoD config sets its own `seed`, which then wins (default: 0)",
     )
-    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument(
+        "--device", type=device, default=None, help="torch device (default: cuda if available, else cpu)"
+    )
     parser.add_argument("--json", metavar="PATH", default=None, help="write the full report as JSON")
     parser.add_argument("--plots", metavar="DIR", default=None, help="write PNG plots (Jaccard, compute by position)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -534,12 +536,11 @@ def run_audit(args: argparse.Namespace) -> int:
 
 
 def _run_audit(args: argparse.Namespace) -> int:
-    from transformers import AutoProcessor
-
     import vlmod
     from vlmod.data import DataError
     from vlmod.eval import check_checkpoint
     from vlmod.fileio import write_json
+    from vlmod.paths import check_output_dir, check_output_file
 
     routers = [r.strip() for r in args.routers.split(",") if r.strip()]
     unknown = [r for r in routers if r not in AUDIT_ROUTERS]
@@ -549,15 +550,19 @@ def _run_audit(args: argparse.Namespace) -> int:
         raise AuditInputError(f"--model {args.model} is not a directory")
     if not Path(args.data).is_file():
         raise AuditInputError(f"--data {args.data} does not exist")
+    for flag, path, check in (("--json", args.json, check_output_file), ("--plots", args.plots, check_output_dir)):
+        if path:
+            check(path, flag, inputs=[args.model, args.data], error=AuditInputError)
     check_checkpoint(str(args.model))  # EvalError (an InputError) unless a LLaVA checkpoint
     try:
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     except RuntimeError as e:
         raise AuditInputError(f"--device {args.device}: {str(e).splitlines()[0]}") from None
-    try:
-        model = vlmod.load_pretrained(args.model)
-        processor = AutoProcessor.from_pretrained(args.model)
-    except (OSError, TypeError, ValueError) as e:
+    from vlmod.hf import load_llava
+
+    try:  # one line for a damaged / foreign checkpoint, NaN weights, a malformed vlmod section
+        model, processor = load_llava(str(args.model), AuditInputError, "the audit supports")
+    except (OSError, TypeError) as e:
         raise AuditInputError(f"cannot load {args.model}: {str(e).splitlines()[0]}") from None
     try:
         model = model.to(device).eval()

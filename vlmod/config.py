@@ -118,6 +118,15 @@ class MoDConfig:
             )
         if self.aux_loss not in AUX_LOSSES:
             raise ValueError(f"aux_loss must be one of {AUX_LOSSES}, got {self.aux_loss!r}")
+        if not isinstance(self.share_router, bool):
+            raise ValueError(f"share_router must be true or false, got {self.share_router!r}")
+        for name in ("gate_alpha", "aux_loss_weight"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+            setattr(self, name, float(value))
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
 
     @property
     def routable_types(self) -> tuple[TokenType, ...]:
@@ -156,6 +165,8 @@ class MoDConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> MoDConfig:
+        if not isinstance(d, dict):
+            raise ValueError(f"MoD settings must be a mapping of MoDConfig fields, got {type(d).__name__} {d!r:.60}")
         known = {f.name for f in fields(cls)}
         unknown = set(d) - known
         if unknown:

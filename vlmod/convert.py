@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -10,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from tqdm.auto import tqdm
 
 from vlmod.argtypes import read_yaml_mapping
@@ -73,11 +76,25 @@ class ConvertOptions:
         )
 
 
-def _check_out(out: Path, overwrite: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise ConvertError(f"--out {out} is a file; give a directory")
+def _check_out(out: Path, overwrite: bool, model: str) -> None:
+    """--out must be writable and must not be, hold or sit inside --model: --overwrite replaces the
+    whole folder, which would delete the model being converted (and anything beside it)."""
+    from vlmod.paths import check_output_dir
+
+    check_output_dir(out, "--out", inputs=[model], error=ConvertError, replaces=True)
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise ConvertError(f"--out {out} exists and is not empty; pass --overwrite to replace it")
+
+
+def _remove_leftovers(out: Path) -> None:
+    """Temp folders of an earlier convert to `out` that was killed mid-save (`.NAME.tmp-*`, and
+    `.NAME.old-*` of a replace): only this command writes those names, so they are removed."""
+    if not out.parent.is_dir():
+        return
+    for path in sorted(out.parent.glob(f".{out.name}.tmp-*")) + sorted(out.parent.glob(f".{out.name}.old-*")):
+        if path.is_dir():
+            tqdm.write(f"removing {path}, left by an interrupted convert")
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _check_llava(config: Any, source: str) -> type:
@@ -161,7 +178,7 @@ def convert(options: ConvertOptions) -> dict[str, Any]:
     import vlmod
 
     out = Path(options.out).expanduser()
-    _check_out(out, options.overwrite)
+    _check_out(out, options.overwrite, options.model)
     if options.dtype not in DTYPES:
         raise ConvertError(f"--dtype must be one of {sorted(DTYPES)}, got {options.dtype!r}")
     try:
@@ -204,15 +221,27 @@ def convert(options: ConvertOptions) -> dict[str, Any]:
         "prediction": predict(model, options.prompt_tokens),
     }
     steps.set_postfix_str("saving")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _remove_leftovers(out)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    except OSError as err:
+        raise ConvertError(f"cannot write to {out.parent}: {err.strerror or err}") from None
     try:
         model.save_pretrained(tmp)
         if processor is not None:
             processor.save_pretrained(tmp)
         (tmp / REPORT).write_text(json.dumps(report, indent=2) + "\n")
+        _check_written(tmp)
+        tmp.chmod(0o777 & ~_umask())  # mkdtemp makes it 0700; a saved model is the user's usual folder
         steps.update()
         _replace_dir(tmp, out)
+    except (OSError, SafetensorError) as err:  # disk full, quota, permissions: nothing at --out has changed
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ConvertError(
+            f"could not save the converted model to {out}: {err.strerror or str(err).splitlines()[0]} "
+            f"({'unchanged' if out.exists() else 'not created'}); free space or choose another --out"
+        ) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -229,6 +258,25 @@ def _load_processor(source: str) -> Any:
     except (OSError, ValueError, TypeError) as err:
         tqdm.write(f"warning: no processor saved: {source} has none that loads ({str(err).splitlines()[0]})")
         return None
+
+
+def _check_written(folder: Path) -> None:
+    """Every safetensors file in `folder` as long as its header says: a write that ran out of space
+    can leave a short file without an error."""
+    for path in folder.glob("*.safetensors"):
+        with path.open("rb") as f:
+            head = f.read(8)
+            size = int.from_bytes(head, "little") if len(head) == 8 else -1
+            header = json.loads(f.read(size)) if size > 0 else {}
+        ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+        if size < 0 or path.stat().st_size < 8 + size + max(ends, default=0):
+            raise OSError(errno.ENOSPC, f"{path.name} was written short (is the disk full?)")
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _replace_dir(new: Path, target: Path) -> None:

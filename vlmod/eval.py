@@ -327,7 +327,7 @@ def load_model(path: str, device: str = "cpu", dtype: str = "float32") -> tuple[
 
 def add_evaluate_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Flags of `scripts/evaluate.py` and `vlmod eval`."""
-    from vlmod.argtypes import positive_int
+    from vlmod.argtypes import device, positive_int
 
     parser.add_argument("--model", required=True, help="checkpoint directory or hub id (dense or converted)")
     parser.add_argument("--data", required=True, help="LLaVA-format JSON with the reference answers")
@@ -338,7 +338,9 @@ def add_evaluate_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     parser.add_argument("--batch-size", type=positive_int, default=8)
     parser.add_argument("--max-new-tokens", type=positive_int, default=16)
     parser.add_argument("--limit", type=positive_int, help="evaluate the first N records only")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--device", type=device, default=None, help="torch device (default: cuda if available, else cpu)"
+    )
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--strict", action="store_true", help="a missing or corrupt image is an error, not a skip")
     parser.add_argument("--json", help="write the reports (every sample included) to this JSON file")
@@ -349,11 +351,16 @@ def add_evaluate_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
 
 def run_evaluate(args: argparse.Namespace) -> int:
     """Evaluate --model (and --compare), print the table, write --json."""
+    from vlmod.paths import check_output_file
+
     if not Path(args.data).expanduser().is_file():
         raise EvalError(f"data file {args.data} does not exist")
+    if args.json:
+        check_output_file(args.json, "--json", inputs=[args.model, args.compare, args.data], error=EvalError)
     for path in (args.model, args.compare):
         if path is not None:
             check_checkpoint(path)
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     reports = []
     for path, label in ((args.model, args.name), (args.compare, args.compare_name)):
         if path is None:

@@ -1,21 +1,118 @@
 """Hugging Face persistence: a converted model saves with `save_pretrained` (MoD settings in
-config.json under `vlmod`, routers in the normal safetensors) and loads with `load_pretrained`."""
+config.json under `vlmod`, routers in the normal safetensors) and loads with `load_pretrained`.
+
+Every command loads checkpoints through here, so a checkpoint that cannot be used as it is gives
+one `CheckpointError` naming the file and the fix, never a traceback from deep inside a loader:
+a damaged (truncated) weights file, a malformed `vlmod` section, NaN weights. Router weights
+missing from a converted checkpoint load as zero routers (every token scores the same) with a
+warning, never as randomly initialised ones.
+"""
 
 from __future__ import annotations
 
+import json
+import warnings
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from vlmod.config import MoDConfig
+from vlmod.errors import InputError
+
+
+class CheckpointError(InputError):
+    """A checkpoint that cannot be loaded as it is; the message names the file and what to do."""
 
 _CONFIG_KWARGS = ("revision", "token", "cache_dir", "local_files_only", "trust_remote_code", "subfolder")
 
 
-def part_configs(settings: dict[str, Any]) -> dict[str, MoDConfig]:
-    """{part: MoDConfig} from the `vlmod` entry of a config.json."""
-    return {part: MoDConfig.from_dict(d) for part, d in settings.items()}
+def part_configs(settings: dict[str, Any], source: str = "config.json") -> dict[str, MoDConfig]:
+    """{part: MoDConfig} from the `vlmod` entry of a config.json (`source`, for the message)."""
+    if not isinstance(settings, dict):
+        raise CheckpointError(
+            f"{source}: 'vlmod' must map a part (language, vision) to its MoD settings, got a "
+            f"{type(settings).__name__}; fix it, or convert the model again with `vlmod convert`"
+        )
+    configs = {}
+    for part, d in settings.items():
+        try:
+            configs[part] = MoDConfig.from_dict(d)
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(
+                f"{source}: vlmod.{part}: {e}; fix that entry, or convert the model again with `vlmod convert`"
+            ) from None
+    return configs
+
+
+def damaged_safetensors(folder: str | Path) -> str | None:
+    """'NAME: what is wrong' for the first safetensors file in `folder` that is shorter than its
+    header says or has no valid header (a truncated copy or download); None when all are whole."""
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        try:
+            with path.open("rb") as f:
+                head = f.read(8)
+                size = int.from_bytes(head, "little") if len(head) == 8 else -1
+                if size <= 0 or size > path.stat().st_size:
+                    return f"{path.name}: no valid safetensors header"
+                header = json.loads(f.read(size))
+        except (OSError, ValueError) as e:
+            return f"{path.name}: unreadable header ({e})"
+        if not isinstance(header, dict):
+            return f"{path.name}: no valid safetensors header"
+        ends = [v.get("data_offsets", [0, 0])[1] for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)]
+        expected = 8 + size + max(ends, default=0)
+        if path.stat().st_size < expected:
+            return f"{path.name}: truncated ({path.stat().st_size:,} of {expected:,} bytes)"
+    return None
+
+
+def _from_pretrained(cls: type, path: str | Path, kwargs: dict[str, Any]) -> tuple[nn.Module, dict[str, Any]]:
+    """`cls.from_pretrained` with its loading info; a damaged weights file is a CheckpointError."""
+    from safetensors import SafetensorError
+
+    try:
+        return cls.from_pretrained(path, output_loading_info=True, **kwargs)
+    except (SafetensorError, EOFError) as e:
+        where = damaged_safetensors(path) if Path(path).is_dir() else None
+        raise CheckpointError(
+            f"{path}: the weights are damaged ({where or str(e).splitlines()[0]}); copy or download the "
+            "checkpoint again, or re-save it"
+        ) from None
+    except OSError as e:
+        if "unable to load weights" in str(e).lower() or "truncated" in str(e).lower():
+            raise CheckpointError(f"{path}: the weights could not be read ({str(e).splitlines()[0][:200]})") from None
+        raise
+
+
+def _zero_missing_routers(model: nn.Module, missing: list[str], path: str | Path) -> None:
+    """Routers the checkpoint has no weights for start at zero (what a fresh conversion has), not
+    at transformers' random init, and the user is told."""
+    routers = [k for k in missing if "mod_router" in k.split(".")]
+    if not routers:
+        return
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name in routers:
+            if name in params:
+                params[name].zero_()
+    warnings.warn(
+        f"{path} has no weights for its MoD router(s) ({', '.join(routers[:2])}{', ...' if len(routers) > 2 else ''}); "
+        "they load as zero routers: every routable token scores the same until the routers are fine-tuned",
+        stacklevel=3,
+    )
+
+
+def check_finite(model: nn.Module, path: str | Path) -> None:
+    """CheckpointError when any weight is NaN or infinite: such a model answers garbage, and an
+    evaluation of it would report a meaningless 0%, not the breakage."""
+    bad = [name for name, p in model.named_parameters() if p.is_floating_point() and not bool(torch.isfinite(p).all())]
+    if bad:
+        raise CheckpointError(
+            f"{path}: {len(bad)} weight tensor(s) hold NaN or infinite values ({', '.join(bad[:3])}"
+            f"{', ...' if len(bad) > 3 else ''}); the checkpoint is broken (a diverged run?): use an earlier one"
+        )
 
 
 def model_class(config: Any) -> type:
@@ -46,8 +143,18 @@ def load_config(path: str | Path, **kwargs: Any) -> Any:
         raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model directory")
     if not local.exists() and (str(path).startswith((".", "/", "~")) or str(path).count("/") > 1):
         raise FileNotFoundError(f"model path {path} does not exist")
+    if local.is_dir():
+        try:
+            json.loads((local / "config.json").read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise CheckpointError(
+                f"{local / 'config.json'} is not valid JSON ({str(err).splitlines()[0][:120]}); restore it from the "
+                "original checkpoint"
+            ) from None
     try:
         return AutoConfig.from_pretrained(str(local) if local.exists() else str(path), **kwargs)
+    except ValueError as err:
+        raise CheckpointError(f"{path}: config.json cannot be used: {str(err).splitlines()[0][:240]}") from None
     except OSError as err:
         raise FileNotFoundError(
             f"could not load a model config from {path!r}: not a local directory, and the hub "
@@ -60,17 +167,20 @@ def load_pretrained(path: str | Path, **from_pretrained_kwargs: Any) -> nn.Modul
 
     A plain (never converted) checkpoint loads as the dense model. The converted architecture is
     built first and transformers' own loading fills it, so key renames of the checkpoint format
-    apply to the routers too.
+    apply to the routers too. A checkpoint that cannot be used as it is raises CheckpointError
+    (see the module doc).
     """
     from vlmod.routing.api import apply_mod
 
+    want_info = bool(from_pretrained_kwargs.pop("output_loading_info", False))
     config_kwargs = {k: v for k, v in from_pretrained_kwargs.items() if k in _CONFIG_KWARGS}
     config = load_config(path, **config_kwargs)
     cls = model_class(config)
     settings = getattr(config, "vlmod", None)
     if not settings:
-        return cls.from_pretrained(path, **from_pretrained_kwargs)
-    parts = part_configs(settings)
+        model, info = _from_pretrained(cls, path, from_pretrained_kwargs)
+        return (model, info) if want_info else model
+    parts = part_configs(settings, f"{path}/config.json")
 
     def __init__(self: nn.Module, *args: Any, **kwargs: Any) -> None:
         cls.__init__(self, *args, **kwargs)
@@ -78,9 +188,15 @@ def load_pretrained(path: str | Path, **from_pretrained_kwargs: Any) -> nn.Modul
             apply_mod(self, part_config, part=part)
 
     converted = type(cls.__name__, (cls,), {"__init__": __init__, "__module__": cls.__module__})
-    model = converted.from_pretrained(path, **from_pretrained_kwargs)
+    try:
+        model, info = _from_pretrained(converted, path, from_pretrained_kwargs)
+    except ValueError as e:  # apply_mod refusing the saved settings (a layer out of range, ...)
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(f"{path}/config.json: the vlmod settings do not fit this model: {str(e).splitlines()[0]}") from None
     model.__class__ = cls
-    return model
+    _zero_missing_routers(model, info.get("missing_keys", []), path)
+    return (model, info) if want_info else model
 
 
 def llava_class(path: str | Path, error: type[Exception], purpose: str) -> type:
@@ -91,7 +207,7 @@ def llava_class(path: str | Path, error: type[Exception], purpose: str) -> type:
 
     try:
         cls = model_class(load_config(path))
-    except (FileNotFoundError, TypeError) as e:
+    except (FileNotFoundError, TypeError, CheckpointError) as e:
         raise error(str(e)) from None
     if not issubclass(cls, llava._classes()):
         raise error(f"{path} is a {cls.__name__} checkpoint; {purpose} LLaVA models ({', '.join(llava.FAMILIES)})")
@@ -106,11 +222,20 @@ def load_llava(
     (`load_pretrained`); False loads the dense model (routers ignored), as calibration wants."""
     from transformers import AutoProcessor
 
-    cls = llava_class(path, error, purpose)
+    try:
+        cls = llava_class(path, error, purpose)
+    except CheckpointError as e:
+        raise error(str(e)) from None
     try:
         processor = AutoProcessor.from_pretrained(str(path))
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, TypeError) as e:
         raise error(f"could not load the processor of {path}: {str(e).splitlines()[0]}") from None
-    if converted:
-        return load_pretrained(path, **from_pretrained_kwargs), processor
-    return cls.from_pretrained(path, **from_pretrained_kwargs), processor
+    try:
+        if converted:
+            model = load_pretrained(path, **from_pretrained_kwargs)
+        else:
+            model, _ = _from_pretrained(cls, path, from_pretrained_kwargs)
+        check_finite(model, path)
+    except CheckpointError as e:
+        raise error(str(e)) from None
+    return model, processor

@@ -19,7 +19,13 @@ full           everything but the vision tower
 Checkpoints: `accelerator.save_state` every `save_steps` optimizer steps into
 `output_dir/checkpoints/step-N` (written as `step-N.tmp`, then renamed), with `trainer_state.json`
 holding the step, epoch and batch position; `resume: latest` (or a checkpoint path) continues at
-that step with the same optimizer, scheduler, RNG and data order. The shuffle order of an epoch is
+that step with the same optimizer, scheduler, RNG and data order. `latest` skips a damaged
+checkpoint for the newest intact one and says so.
+
+A run owns its output folder (`run.json` holds its settings): a folder holding another run's
+checkpoints is refused unless `resume` continues that run (only with the same settings; the ones
+that differ are named) or `overwrite` deletes it first. Without that, checkpoint rotation would
+sort both runs' checkpoints together and delete the new run's as they are written. The shuffle order of an epoch is
 a function of (seed, epoch), so a resumed run sees exactly the batches the original would have.
 The final model is written with `save_pretrained` (and its processor) to `output_dir/model`:
 `vlmod.load_pretrained` and `vlmod eval` load it.
@@ -54,6 +60,12 @@ PRECISIONS = ("no", "fp16", "bf16")
 TRACKERS = ("tensorboard", "wandb", "comet_ml", "aim", "mlflow", "clearml", "dvclive", "trackio", "all")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 STATE_FILE = "trainer_state.json"
+RUN_FILE = "run.json"
+# Settings that do not change what a run computes: a resumed run may change these freely.
+FREE_SETTINGS = frozenset({
+    "output_dir", "resume", "overwrite", "save_steps", "save_total_limit", "eval_steps", "log_steps", "report_to",
+    "num_workers", "cache_data", "strict", "val_data", "gradient_checkpointing",
+})
 
 
 class TrainError(InputError):
@@ -75,6 +87,7 @@ class TrainConfig:
     save_steps / eval_steps / log_steps: every N optimizer steps (0: never; a final save always).
     report_to: accelerate trackers (tensorboard, wandb, ...), logged under `output_dir/logs`.
     resume: None, "latest" (the newest checkpoint in `output_dir/checkpoints`) or a checkpoint dir.
+    overwrite: delete what an earlier run left in `output_dir` (checkpoints, model, logs) first.
     """
 
     model: str
@@ -114,6 +127,7 @@ class TrainConfig:
     log_steps: int = 10
     report_to: list[str] = field(default_factory=list)
     resume: str | None = None
+    overwrite: bool = False
 
     def __post_init__(self) -> None:
         choices = {
@@ -141,6 +155,15 @@ class TrainConfig:
         for key in ("save_steps", "eval_steps", "log_steps", "num_workers", "warmup", "weight_decay"):
             if getattr(self, key) < 0:
                 raise TrainError(f"{key} must be >= 0, got {getattr(self, key)}")
+        for key in ("lr", "epochs", "warmup", "weight_decay", "max_grad_norm", "lora_dropout", "router_lr",
+                    "aux_loss_weight"):
+            value = getattr(self, key)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise TrainError(f"{key} must be a finite number, got {value}")
+        if self.max_grad_norm < 0:
+            raise TrainError(f"max_grad_norm must be >= 0 (0: no clipping), got {self.max_grad_norm}")
+        if self.overwrite and self.resume is not None:
+            raise TrainError("resume and overwrite contradict each other: continue the run in output_dir, or delete it")
         if self.router_lr is not None and not self.router_lr > 0:
             raise TrainError(f"router_lr must be > 0, got {self.router_lr}")
         if self.mod is not None:
@@ -347,25 +370,194 @@ def checkpoint_dir(output_dir: str | Path) -> Path:
     return Path(output_dir) / "checkpoints"
 
 
+def _step_of(path: Path) -> int | None:
+    number = path.name.removeprefix("step-")
+    return int(number) if path.name.startswith("step-") and number.isdigit() else None
+
+
+def checkpoints(output_dir: str | Path) -> list[Path]:
+    """Complete checkpoints under `output_dir/checkpoints` (named step-N, with a state file),
+    newest first."""
+    root = checkpoint_dir(output_dir)
+    found = [p for p in root.iterdir() if _step_of(p) is not None and (p / STATE_FILE).is_file()] if root.is_dir() else []
+    return sorted(found, key=lambda p: _step_of(p) or 0, reverse=True)
+
+
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
     """The checkpoint with the highest step under `output_dir/checkpoints` (complete ones only)."""
-    root = checkpoint_dir(output_dir)
-    found = [p for p in root.glob("step-*") if p.suffix != ".tmp" and (p / STATE_FILE).is_file()] if root.is_dir() else []
-    return max(found, key=lambda p: int(p.name.split("-")[1]), default=None)
+    found = checkpoints(output_dir)
+    return found[0] if found else None
 
 
-def resolve_resume(cfg: TrainConfig) -> Path | None:
-    if cfg.resume is None:
+class DamagedCheckpoint(Exception):
+    """A checkpoint whose files cannot be read back; `resume: latest` falls back past it."""
+
+
+def run_settings(cfg: TrainConfig) -> dict[str, Any]:
+    """What makes two runs the same run: every setting but FREE_SETTINGS, local paths absolute,
+    as JSON would give it back (so a saved copy compares equal)."""
+    d = cfg.to_dict()
+    for key in ("model", "data", "image_root"):
+        if d.get(key) and Path(d[key]).expanduser().exists():
+            d[key] = str(Path(d[key]).expanduser().resolve())
+    return json.loads(json.dumps({k: v for k, v in d.items() if k not in FREE_SETTINGS}))
+
+
+def settings_diff(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """'key: saved -> current' for every setting that differs."""
+    keys = sorted(set(saved) | set(current))
+    return [f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in keys if saved.get(k) != current.get(k)]
+
+
+def _read_json(path: Path) -> Any:
+    """The JSON in `path`; DamagedCheckpoint naming the file when it cannot be read."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DamagedCheckpoint(f"{path} is unreadable ({str(e).splitlines()[0][:120]})") from None
+
+
+def read_state(checkpoint: Path) -> dict[str, Any]:
+    """The trainer state of `checkpoint`: step, epoch, batch position, and the run's settings."""
+    state = _read_json(checkpoint / STATE_FILE)
+    if not isinstance(state, dict) or not all(
+        isinstance(state.get(k), int) and state[k] >= 0 for k in ("step", "epoch", "batch_in_epoch")
+    ):
+        raise DamagedCheckpoint(f"{checkpoint / STATE_FILE} lacks a valid step, epoch and batch_in_epoch")
+    return state
+
+
+def _saved_run(output_dir: Path) -> dict[str, Any] | None:
+    """The settings in `output_dir/run.json`; None when there is none, {} when it is unreadable."""
+    path = output_dir / RUN_FILE
+    if not path.is_file():
         return None
+    try:
+        data = _read_json(path)
+    except DamagedCheckpoint:
+        return {}
+    return data.get("settings", {}) if isinstance(data, dict) else {}
+
+
+def check_output_dir_owner(cfg: TrainConfig) -> None:
+    """Refuse an output folder that cannot be written, or that holds another run's checkpoints
+    when neither `resume` nor `overwrite` says what to do with them (see the module doc). Nothing
+    is written: called before the model loads."""
+    from vlmod.paths import check_output_dir
+
+    out = check_output_dir(
+        cfg.output_dir, "output_dir", inputs=[cfg.model, cfg.data, cfg.val_data], error=TrainError,
+        replaces=cfg.overwrite,
+    )
+    # The final model replaces output_dir/model: never the model this run starts from.
+    check_output_dir(out / "model", "output_dir", inputs=[cfg.model], error=TrainError, replaces=True)
+    if cfg.overwrite or cfg.resume is not None:
+        return
+    root = checkpoint_dir(out)
+    found = sorted(p.name for p in root.iterdir() if _step_of(p) is not None) if root.is_dir() else []
+    if not found:
+        return
+    saved = _saved_run(out)
+    differ = settings_diff(saved, run_settings(cfg)) if saved else []
+    what = "a run with these settings" if saved and not differ else "another run"
+    raise TrainError(
+        f"output_dir {out} already holds the checkpoints of {what} ({', '.join(found[:4])}"
+        f"{', ...' if len(found) > 4 else ''}){'; its settings differ: ' + '; '.join(differ[:4]) if differ else ''}. "
+        "Pass --resume latest to continue it, --overwrite to delete it and start over, or choose another --output-dir"
+    )
+
+
+def _clear_output_dir(out: Path) -> None:
+    """What an earlier run wrote into `out` (and nothing else): `overwrite`."""
+    for name in ("checkpoints", "model", "model.tmp", "logs", "train_log.json", RUN_FILE):
+        path = out / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+
+
+def resolve_resume(cfg: TrainConfig) -> list[Path]:
+    """The checkpoints `resume` may continue from, best first (`latest`: every complete one,
+    newest first, for the fallback past damaged ones). Errors when there is none, or when the run
+    that wrote them had other settings. Reads only small JSON files: called before the model loads."""
+    if cfg.resume is None:
+        return []
     if cfg.resume == "latest":
-        found = latest_checkpoint(cfg.output_dir)
-        if found is None:
+        found = checkpoints(cfg.output_dir)
+        if not found:
             raise TrainError(f"resume: latest, but {checkpoint_dir(cfg.output_dir)} holds no complete checkpoint")
-        return found
-    path = Path(cfg.resume).expanduser()
-    if not (path / STATE_FILE).is_file():
-        raise TrainError(f"resume: {cfg.resume} is not a checkpoint of this trainer (no {STATE_FILE})")
-    return path
+    else:
+        path = Path(cfg.resume).expanduser()
+        if not (path / STATE_FILE).is_file():
+            raise TrainError(f"resume: {cfg.resume} is not a checkpoint of this trainer (no {STATE_FILE})")
+        found = [path]
+    current = run_settings(cfg)
+    for path in found:
+        try:
+            state = read_state(path)
+        except DamagedCheckpoint:
+            continue  # reported when it is tried
+        saved = state.get("run") or _saved_run(path.parent.parent)
+        differ = settings_diff(saved, current) if saved else []
+        if differ:
+            raise TrainError(
+                f"resume: {path} belongs to a run with other settings ({'; '.join(differ[:6])}). Resume with the "
+                "same settings, or start over with --overwrite (or another --output-dir)"
+            )
+        break
+    return found
+
+
+def _damaged_file(checkpoint: Path) -> str:
+    """The first file of `checkpoint` that does not read back (for the error message)."""
+    for path in sorted(checkpoint.iterdir()):
+        try:
+            if path.suffix == ".safetensors":
+                from safetensors import safe_open
+
+                with safe_open(str(path), framework="pt") as f:
+                    for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                        f.get_tensor(key)
+            elif path.suffix in (".bin", ".pt", ".pth", ".pkl"):
+                torch.load(path, map_location="cpu", weights_only=False)
+        except Exception as e:  # noqa: BLE001 - any failure to read it back is the answer
+            return f"{path.name}: {str(e).splitlines()[0][:120] if str(e) else type(e).__name__}"
+    return "no single file is unreadable"
+
+
+def load_checkpoint(accelerator: Any, checkpoint: Path) -> dict[str, Any]:
+    """`accelerator.load_state` of `checkpoint` and its trainer state; DamagedCheckpoint naming the
+    file that does not read back. A random state accelerate cannot restore (it only logs that at
+    INFO level and goes on) is reported as a warning: dropout then differs from the original run."""
+    import logging
+
+    state = read_state(checkpoint)
+    messages: list[str] = []
+
+    class _Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+
+    log = logging.getLogger("accelerate.checkpointing")
+    handler, level = _Catch(logging.INFO), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        accelerator.load_state(str(checkpoint))
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except Exception:  # noqa: BLE001 - whatever a damaged file raises (SafetensorError, UnpicklingError, ...)
+        raise DamagedCheckpoint(f"checkpoint {checkpoint} is damaged ({_damaged_file(checkpoint)})") from None
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+    if any("Could not load random states" in m for m in messages):
+        accelerator.print(
+            f"warning: the random state in {checkpoint} could not be restored (random_states_*.pkl is damaged or "
+            "from another version); the data order is kept, but dropout and other random draws differ from the original run"
+        )
+    return state
 
 
 def save_checkpoint(accelerator: Any, cfg: TrainConfig, state: dict[str, Any]) -> Path:
@@ -381,13 +573,11 @@ def save_checkpoint(accelerator: Any, cfg: TrainConfig, state: dict[str, Any]) -
     accelerator.save_state(str(tmp))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        write_json(tmp / STATE_FILE, state)
+        write_json(tmp / STATE_FILE, {**state, "run": run_settings(cfg)})
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         if cfg.save_total_limit:
-            done = sorted(
-                (p for p in root.glob("step-*") if p.suffix != ".tmp"), key=lambda p: int(p.name.split("-")[1])
-            )
+            done = sorted((p for p in root.iterdir() if _step_of(p) is not None), key=lambda p: _step_of(p) or 0)
             for old in done[: -cfg.save_total_limit]:
                 shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
@@ -488,6 +678,7 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
     for path in (cfg.data, cfg.val_data):
         if path is not None and not Path(path).expanduser().is_file():
             raise TrainError(f"data file {path} does not exist")
+    check_output_dir_owner(cfg)
     resume_from = resolve_resume(cfg)
     accelerator = _make_accelerator(cfg)
     _check_lora_sharding(cfg, accelerator)
@@ -532,11 +723,31 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
         val_loader = accelerator.prepare(val_loader)
 
     step, epoch, batch_in_epoch = 0, 0, 0
-    if resume_from is not None:
-        accelerator.load_state(str(resume_from))
-        state = json.loads((resume_from / STATE_FILE).read_text())
+    damaged: list[str] = []
+    for checkpoint in resume_from:
+        try:
+            state = load_checkpoint(accelerator, checkpoint)
+        except DamagedCheckpoint as e:
+            if cfg.resume != "latest":
+                raise TrainError(f"resume: {e}; resume from another checkpoint, or start over with --overwrite") from None
+            damaged.append(str(e))
+            accelerator.print(f"warning: {e}; trying the next older checkpoint")
+            continue
         step, epoch, batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
-        accelerator.print(f"resumed from {resume_from}: step {step}, epoch {epoch}, batch {batch_in_epoch}")
+        newest = " (the newest intact checkpoint)" if damaged else ""
+        accelerator.print(f"resumed from {checkpoint}{newest}: step {step}, epoch {epoch}, batch {batch_in_epoch}")
+        break
+    else:
+        if resume_from:
+            raise TrainError(
+                f"resume: latest, but no checkpoint in {checkpoint_dir(cfg.output_dir)} is intact ({'; '.join(damaged)}); "
+                "start over with --overwrite"
+            )
+    if accelerator.is_main_process:
+        if cfg.overwrite:
+            _clear_output_dir(Path(cfg.output_dir))
+        Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+        write_json(Path(cfg.output_dir) / RUN_FILE, {"settings": run_settings(cfg)})
     if cfg.report_to:
         accelerator.init_trackers("vlmod-finetune", config={k: str(v) for k, v in cfg.to_dict().items()})
     accelerator.print(
@@ -655,6 +866,8 @@ def add_finetune_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     parser.add_argument("--report-to", dest="report_to", action="append", default=None,
                         help=f"accelerate tracker ({', '.join(TRACKERS)}); repeat for several")
     parser.add_argument("--gradient-checkpointing", dest="gradient_checkpointing", action="store_true", default=None)
+    parser.add_argument("--overwrite", dest="overwrite", action="store_true", default=None,
+                        help="delete what an earlier run left in --output-dir (checkpoints, model, logs) first")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(run=run_finetune)
     return parser
@@ -663,7 +876,7 @@ def add_finetune_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """The YAML of `--config` with the command-line overrides on top."""
     settings = read_yaml_mapping(args.config, TrainError) if args.config else {}
-    for name in [o[0] for o in _OVERRIDES] + ["report_to", "gradient_checkpointing"]:
+    for name in [o[0] for o in _OVERRIDES] + ["report_to", "gradient_checkpointing", "overwrite"]:
         value = getattr(args, name, None)
         if value is not None:
             settings[name] = value

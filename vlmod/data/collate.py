@@ -183,6 +183,16 @@ def _pad_1d(rows: Sequence[Tensor], value: int, side: str) -> Tensor:
     return out
 
 
+def _to_frame_count(frames: Any, num_frames: int) -> Any:
+    """`num_frames` frames of a clip that has fewer (a 1-frame clip, a very short video): each frame
+    repeated evenly, in order, so every video of a batch has the configured frame count (videos of
+    different lengths cannot be stacked into one `pixel_values_videos`)."""
+    if len(frames) >= num_frames:
+        return frames
+    index = ((torch.arange(num_frames, dtype=torch.float64) + 0.5) * len(frames) / num_frames).long()
+    return frames[index.numpy()]
+
+
 def _cat_media(key: str, tensors: list[Tensor]) -> Tensor:
     """Per-sample media tensors joined along dim 0 (the images of the batch in order, which is
     what LLaVA models expect). Anyres `pixel_values` [n, patches, C, H, W] with different patch
@@ -327,7 +337,8 @@ class LlavaDataset(torch.utils.data.Dataset):
         from vlmod.video import load_video
 
         images = [load_image(p) for p in record.images]
-        videos = [load_video(record.video_path, self.num_frames).frames] if record.video_path is not None else []
+        videos = [_to_frame_count(load_video(record.video_path, self.num_frames).frames, self.num_frames)
+                  ] if record.video_path is not None else []
         return images, videos
 
     def _skip(self, record: LlavaRecord, error: BaseException) -> None:

@@ -70,14 +70,24 @@ def read_json_records(path: str | Path) -> list[dict[str, Any]]:
         raise DataError(f"data file {path} does not exist")
     if not path.is_file():
         raise DataError(f"{path} is not a file")
-    text = path.read_text(encoding="utf-8")
     try:
-        if path.suffix == ".jsonl":
-            records = [json.loads(line) for line in text.splitlines() if line.strip()]
-        else:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise DataError(f"{path} is not UTF-8 text: give a LLaVA-format .json or .jsonl file") from None
+    if path.suffix == ".jsonl":
+        records = []
+        for number, row in enumerate(text.splitlines(), 1):  # the file's line, not the record's
+            if not row.strip():
+                continue
+            try:
+                records.append(json.loads(row))
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path} is not valid JSON: {e.msg} at line {number}, column {e.colno}") from None
+    else:
+        try:
             records = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise DataError(f"{path} is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}") from None
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path} is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}") from None
     if isinstance(records, dict) and isinstance(records.get("data"), list):
         records = records["data"]
     if not isinstance(records, list):

@@ -296,6 +296,12 @@ def create_app(
 
     async def _analyze(request: Request) -> Response:
         received = time.perf_counter()
+        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if kind not in ("multipart/form-data", "application/x-www-form-urlencoded"):
+            return _error(
+                f"send multipart/form-data with a prompt and a file or an example, not {kind or 'a body without a content type'}",
+                400,
+            )
         try:
             form = await request.form(max_files=1, max_fields=8, max_part_size=FORM_OVERHEAD)
         except _BodyTooLarge:
