@@ -127,6 +127,21 @@ def test_resume_latest_with_a_broken_state_file_and_rng_state(work, first_run, t
     assert result.step == 3
 
 
+def test_a_full_disk_at_the_final_save_is_one_line(work, tmp_path, capsys, monkeypatch):
+    from transformers import LlavaForConditionalGeneration
+
+    def disk_full(self, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(LlavaForConditionalGeneration, "save_pretrained", disk_full)
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({**_cfg(work, tmp_path / "run", max_steps=1, save_steps=0).to_dict()}))
+    assert cli_main(["finetune", "--config", str(config), "--no-progress"]) == 2
+    line = _error_line(capsys)
+    assert "could not save the model" in line and "No space left on device" in line
+    assert not (tmp_path / "run" / "model").exists() and not (tmp_path / "run" / "model.tmp").exists()
+
+
 # ----------------------------------------------------------------------------- item 4: outputs checked first
 
 

@@ -238,6 +238,7 @@ def convert(options: ConvertOptions) -> dict[str, Any]:
         _replace_dir(tmp, out)
     except (OSError, SafetensorError) as err:  # disk full, quota, permissions: nothing at --out has changed
         shutil.rmtree(tmp, ignore_errors=True)
+        steps.close()  # ends the bar's line, so the error is a line of its own
         raise ConvertError(
             f"could not save the converted model to {out}: {err.strerror or str(err).splitlines()[0]} "
             f"({'unchanged' if out.exists() else 'not created'}); free space or choose another --out"

@@ -594,8 +594,23 @@ def save_model(accelerator: Any, model: nn.Module, processor: Any, out: Path) ->
         model = accelerator.unwrap_model(model)
         if hasattr(model, "peft_config"):
             model, state_dict = model.merge_and_unload(), None
-        model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-        processor.save_pretrained(tmp)
+        from safetensors import SafetensorError
+
+        from vlmod.hf import damaged_safetensors
+
+        try:
+            model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+            processor.save_pretrained(tmp)
+            short = damaged_safetensors(tmp)  # a full disk can leave a short file without an error
+            if short:
+                raise OSError(f"{short} (is the disk full?)")
+        except (OSError, SafetensorError) as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            reason = getattr(e, "strerror", None) or str(e).splitlines()[0]
+            raise TrainError(
+                f"could not save the model to {out}: {reason}; free space or fix the folder's permissions, then "
+                "continue with --resume latest (the checkpoints are kept)"
+            ) from None
         shutil.rmtree(out, ignore_errors=True)
         os.replace(tmp, out)
     accelerator.wait_for_everyone()
