@@ -161,8 +161,9 @@ def add_bench_llava_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
         "llava",
         help="dense vs MoD prefill latency, decode tokens/s and KV cache of a LLaVA model",
         description="Run a LLaVA checkpoint (or a preset with LLaVA-1.5's token shapes and random "
-        "weights) dense and converted to MoD on one synthetic image, and compare the measured prefill "
-        "speedup with the FLOPs prediction.",
+        "weights) dense and converted to MoD on one synthetic image per prompt, and compare the measured "
+        "prefill speedup with the FLOPs prediction; decode is timed per step inside generate, and the KV "
+        "cache and peak memory are compared. A converted checkpoint is measured with its own MoD layers.",
     )
     source = p.add_mutually_exclusive_group()
     source.add_argument("--model", default=None, help="checkpoint directory or hub id")

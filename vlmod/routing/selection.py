@@ -49,6 +49,7 @@ class TokenLayout:
     _budgets: dict[float, Budget] = field(default_factory=dict, repr=False)
     # Query tokens of the attention router (index, valid), once per forward: routing/attention.py.
     _queries: tuple[Tensor, Tensor | None] | None = field(default=None, repr=False)
+    _positions: Tensor | None = field(default=None, repr=False)
 
     @classmethod
     def from_types(
@@ -93,6 +94,13 @@ class TokenLayout:
             num_prefix=num_prefix if image_routable else length,
         )
 
+    def positions(self) -> Tensor:
+        """[B, L] token index in the row (one arange per forward, shared by its MoD layers)."""
+        if self._positions is None:
+            batch, length = self.shape
+            self._positions = torch.arange(length, device=self.token_types.device).expand(batch, length)
+        return self._positions
+
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.token_types.shape)  # type: ignore[return-value]
@@ -133,6 +141,7 @@ class Selection:
     index: Tensor | None  # None: every token runs (no gather needed)
     valid: Tensor | None
     length: int
+    _row_index: Tensor | None = field(default=None, repr=False)  # [B, 1] arange, made once per layer
 
     def gather(self, x: Tensor) -> Tensor:
         """x [B, L, ...] -> [B, K, ...] (advanced indexing: about 2x faster than an expanded gather)."""
@@ -149,7 +158,10 @@ class Selection:
         return out
 
     def _rows(self) -> Tensor:
-        return torch.arange(self.index.shape[0], device=self.index.device).unsqueeze(1)
+        # One arange per layer, not one per gathered tensor (x, scores, positions, cos, sin, ...).
+        if self._row_index is None:
+            self._row_index = torch.arange(self.index.shape[0], device=self.index.device).unsqueeze(1)
+        return self._row_index
 
     def processed_mask(self) -> Tensor:
         """[B, L] bool: True where the token ran the layer."""
@@ -166,7 +178,7 @@ def select_tokens(keys: Tensor, layout: TokenLayout, capacity: float) -> Selecti
     batch, length = layout.shape
     if layout.threshold:
         processed = layout.protected | (layout.routable & (keys > 0))
-        positions = torch.arange(length, device=keys.device).expand(batch, length)
+        positions = layout.positions()
         return _ordered_selection(processed, positions, int(processed.sum(1).max()), uniform=False)
     if layout.every_token:
         return Selection(index=None, valid=None, length=length)
@@ -178,7 +190,7 @@ def select_tokens(keys: Tensor, layout: TokenLayout, capacity: float) -> Selecti
         top = keys[:, p:].topk(budget.k, dim=1, sorted=False).indices.sort(dim=1).values + p
         prefix = torch.arange(p, device=keys.device).expand(batch, p)
         return Selection(index=torch.cat([prefix, top], dim=1), valid=None, length=length)
-    positions = torch.arange(length, device=keys.device).expand(batch, length)
+    positions = layout.positions()
     masked = keys.float().masked_fill(~layout.routable, float("-inf"))
     order = masked.argsort(dim=1, descending=True, stable=True)
     rank = torch.empty_like(order).scatter_(1, order, positions)
