@@ -543,19 +543,20 @@ def rank_layers(
 
 @dataclass(frozen=True)
 class CalibrationSample:
-    """One prompt and its images (none for a text-only record)."""
+    """One prompt and its images (none for a text-only record) or its video."""
 
     id: str
     text: str
     images: tuple[Path, ...] = ()
+    video: Path | None = None
 
 
 def calibration_samples(
     data: str | Path, image_root: str | Path | None = None, prompt: str | None = None
 ) -> list[CalibrationSample]:
     """The samples of DATA: a LLaVA-format JSON (first human turn of each record; `prompt`, if
-    given, replaces it) or a folder of images, each asked `prompt`. Video-only records are left
-    out (with a warning): calibration feeds images."""
+    given, replaces it) or a folder of images, each asked `prompt`. A video record feeds its
+    clip (8 frames, sampled uniformly)."""
     path = Path(data).expanduser()
     if not path.exists():
         raise DataError(f"data {path} does not exist")
@@ -568,18 +569,12 @@ def calibration_samples(
         if not images:
             raise DataError(f"{path} holds no image files ({', '.join(IMAGE_EXTENSIONS)})")
         return [CalibrationSample(id=p.name, text=prompt, images=(p,)) for p in images]
-    samples, videos = [], 0
-    for record in load_records(path, image_root):
-        if record.video is not None and not record.images:
-            videos += 1
-            continue
-        samples.append(
-            CalibrationSample(id=record.id, text=prompt or record.first_question, images=record.images)
+    samples = [
+        CalibrationSample(
+            id=record.id, text=prompt or record.first_question, images=record.images, video=record.video_path
         )
-    if videos:
-        warnings.warn(
-            f"{path}: left out {videos} video record(s); ARank calibration uses images", stacklevel=2
-        )
+        for record in load_records(path, image_root)
+    ]
     if not samples:
         raise DataError(f"{path} holds no usable records")
     return samples
@@ -614,18 +609,23 @@ class CalibrationBatches:
         self.used = 0
         self.skipped: list[tuple[str, str]] = []  # (sample id, reason)
 
-    def encode(self, samples: Sequence[CalibrationSample], images: Sequence[Any]) -> dict[str, Any]:
-        """Model inputs for `samples`: the processor's chat template with one image slot per image."""
+    def encode(
+        self, samples: Sequence[CalibrationSample], images: Sequence[Any], videos: Sequence[Any] = ()
+    ) -> dict[str, Any]:
+        """Model inputs for `samples`: the processor's chat template with one image slot per image
+        and one video slot per video."""
         texts = []
         for s in samples:
-            content = [{"type": "image"} for _ in s.images] + [{"type": "text", "text": s.text}]
+            content = [{"type": "image"} for _ in s.images] + [{"type": "video"}] * (s.video is not None)
+            content.append({"type": "text", "text": s.text})
             texts.append(
                 self.processor.apply_chat_template(
                     [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
                 )
             )
+        media = {"videos": list(videos)} if videos else {}
         return dict(
-            self.processor(images=list(images) or None, text=texts, return_tensors="pt", padding=True)
+            self.processor(images=list(images) or None, text=texts, return_tensors="pt", padding=True, **media)
         )
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
@@ -635,26 +635,31 @@ class CalibrationBatches:
         if self.seed is not None:
             random.Random(self.seed).shuffle(order)
         self.used, self.skipped = 0, []
+        from vlmod.video import load_video
+
         pending: list[CalibrationSample] = []
         images: list[Any] = []
+        videos: list[Any] = []
         for idx in order:
             if self.used + len(pending) >= self.total:
                 break
             sample = self.samples[idx]
             try:
                 loaded = [load_image(p) for p in sample.images]
+                clip = [load_video(sample.video).frames] if sample.video is not None else []
             except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
                 self.skipped.append((sample.id, f"{type(e).__name__}: {e}"))
                 continue
             pending.append(sample)
             images.extend(loaded)
+            videos.extend(clip)
             if len(pending) == self.batch_size:
-                batch = self.encode(pending, images)
+                batch = self.encode(pending, images, videos)
                 self.used += len(pending)
-                pending, images = [], []
+                pending, images, videos = [], [], []
                 yield batch
         if pending:
-            batch = self.encode(pending, images)
+            batch = self.encode(pending, images, videos)
             self.used += len(pending)
             yield batch
         if self.skipped:

@@ -23,7 +23,8 @@ WORDS = (
     "top bottom middle center up down moving moves direction before after there it this that do does "
     "you see describe answer with one word number red green blue yellow purple orange white black gray "
     "circle square triangle star cross ring zero one two three four five six seven eight nine ten yes "
-    "no big small large tiny background texture from leftward rightward upward downward"
+    "no big small large tiny background texture from leftward rightward upward downward "
+    "when appear appears start end different shapes"
 ).split()
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] }} : "
@@ -102,9 +103,15 @@ def build(
     image_size: int = 32,
     patch_size: int = 8,
     attn_implementation: str = "sdpa",
+    vision_feature_layer: int | None = None,
+    spatial_pool_stride: int = 2,
     seed: int = 0,
 ) -> tuple[torch.nn.Module, Any]:
-    """(model, processor) of a tiny random model of `family`, in eval mode, float32."""
+    """(model, processor) of a tiny random model of `family`, in eval mode, float32.
+
+    vision_feature_layer: the tower layer whose output feeds the projector (None: the family's
+        default, -2 for CLIP towers as in LLaVA, -1 for SigLIP); -1 makes every tower layer count.
+    spatial_pool_stride: LLaVA-NeXT-Video's pooling of each frame's patch grid."""
     import transformers as tf
 
     if family in VLM_FAMILIES:
@@ -132,10 +139,11 @@ def build(
     size = {"shortest_edge": image_size}
     crop = {"height": image_size, "width": image_size}
     common = dict(image_token_index=image_id, projector_hidden_act="gelu")
+    clip_layer = -2 if vision_feature_layer is None else vision_feature_layer
     if family in ("llava", "llava_mistral"):
         config = tf.LlavaConfig(
             vision_config=tf.CLIPVisionConfig(**vision_kwargs), text_config=text,
-            vision_feature_layer=-2, vision_feature_select_strategy="default", **common,
+            vision_feature_layer=clip_layer, vision_feature_select_strategy="default", **common,
         )
         image_proc = tf.CLIPImageProcessor(size=size, crop_size=crop)
         processor_cls, extra = tf.LlavaProcessor, {}
@@ -143,7 +151,7 @@ def build(
     elif family == "llava_next":
         config = tf.LlavaNextConfig(
             vision_config=tf.CLIPVisionConfig(**vision_kwargs), text_config=text,
-            vision_feature_layer=-2, vision_feature_select_strategy="default", image_grid_pinpoints=grid,
+            vision_feature_layer=clip_layer, vision_feature_select_strategy="default", image_grid_pinpoints=grid,
             **common,
         )
         image_proc = tf.LlavaNextImageProcessor(size=size, crop_size=crop, image_grid_pinpoints=grid)
@@ -152,8 +160,8 @@ def build(
     elif family == "llava_next_video":
         config = tf.LlavaNextVideoConfig(
             vision_config=tf.CLIPVisionConfig(**vision_kwargs), text_config=text,
-            vision_feature_layer=-2, vision_feature_select_strategy="default", image_grid_pinpoints=grid,
-            video_token_index=video_id, spatial_pool_stride=2, **common,
+            vision_feature_layer=clip_layer, vision_feature_select_strategy="default", image_grid_pinpoints=grid,
+            video_token_index=video_id, spatial_pool_stride=spatial_pool_stride, **common,
         )
         image_proc = tf.LlavaNextImageProcessor(size=size, crop_size=crop, image_grid_pinpoints=grid)
         video_proc = tf.LlavaNextVideoVideoProcessor(size=size, crop_size=crop)
@@ -162,7 +170,8 @@ def build(
     else:
         config = tf.LlavaOnevisionConfig(
             vision_config=tf.SiglipVisionConfig(**vision_kwargs), text_config=text,
-            vision_feature_layer=-1, vision_feature_select_strategy="full", image_grid_pinpoints=grid,
+            vision_feature_layer=-1 if vision_feature_layer is None else vision_feature_layer,
+            vision_feature_select_strategy="full", image_grid_pinpoints=grid,
             video_token_index=video_id, vision_aspect_ratio="anyres_max_9", **common,
         )
         square = {"height": image_size, "width": image_size}
@@ -314,6 +323,8 @@ def add_tiny_arguments(parser: Any) -> Any:
     parser.add_argument("--vision-layers", type=positive_int, default=2)
     parser.add_argument("--image-size", type=positive_int, default=32)
     parser.add_argument("--patch-size", type=positive_int, default=8)
+    parser.add_argument("--vision-feature-layer", type=int, default=None,
+                        help="tower layer feeding the projector (default: the family's, -2 for CLIP, -1 for SigLIP)")
     parser.add_argument("--seed", type=int, default=0)
     parser.set_defaults(run=run_tiny)
     return parser
@@ -336,7 +347,8 @@ def run_tiny(args: Any) -> int:
     model, processor = build(
         args.family, width=args.width, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
         mlp_ratio=args.mlp_ratio, vision_width=args.vision_width, vision_layers=args.vision_layers,
-        image_size=args.image_size, patch_size=args.patch_size, seed=args.seed,
+        image_size=args.image_size, patch_size=args.patch_size, vision_feature_layer=args.vision_feature_layer,
+        seed=args.seed,
     )
     tmp = out.with_name(out.name + ".tmp")
     model.save_pretrained(tmp)

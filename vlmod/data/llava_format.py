@@ -59,8 +59,9 @@ class LlavaRecord:
 
 
 def strip_image_tokens(text: str) -> str:
-    """`text` without `<image>` placeholders and the blank lines around them."""
-    return "\n".join(line.strip() for line in text.replace(IMAGE_TOKEN, "").splitlines() if line.strip())
+    """`text` without `<image>` / `<video>` placeholders and the blank lines around them."""
+    text = text.replace(IMAGE_TOKEN, "").replace(VIDEO_TOKEN, "")
+    return "\n".join(line.strip() for line in text.splitlines() if line.strip())
 
 
 def read_json_records(path: str | Path) -> list[dict[str, Any]]:

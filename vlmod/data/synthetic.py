@@ -25,17 +25,10 @@ The object a question names is unique in its image (the only circle, the only re
 only red circle); the other shapes are distractors. Colour/shape/position images hold 1-3
 shapes (`distractors=2`; 0 gives one-shape scenes, an easier set), count images 1-4.
 
-Video questions (`video=True`; `num_frames` frames, an mp4 per record):
-
-=========  ==================================================  ===========================
-direction  which direction is the {color} {shape} moving ?     left right up down
-order      is the {color} {shape} before or after the          before after
-           {color} {shape} ?
-=========  ==================================================  ===========================
-
-A direction video moves one shape across the frame (sometimes with a static distractor in
-another row or column); an order video shows one shape in the first half of the frames and
-another in the second half.
+Video questions (`video=True`; `num_frames` frames, an mp4 per record): direction, order,
+distinct (how many different shapes), when (start / middle / end), last (which shape appears
+last), and single-frame colour and shape questions asked about a clip; see
+`vlmod.data.synthetic_video`. The vocabulary and drawing live in `vlmod.data.scenes`.
 
 Answers are balanced: question types take turns, and within a type every answer occurs equally
 often (differing by at most one). Every word of the questions and answers is in the vocabulary
@@ -66,43 +59,28 @@ from typing import Any
 import numpy as np
 
 from vlmod.argtypes import non_negative_int
+from vlmod.data.scenes import (
+    ANSWERS,
+    COLORS,
+    COUNTS,
+    GRID,
+    IMAGE_QUESTION_TYPES,
+    MAX_DISTRACTORS,
+    MIN_IMAGE_SIZE,
+    POSITIONS,
+    QUESTIONS,
+    SHAPES,
+    _pairs_except,
+    _place,
+    background,
+    cell_of,
+    paint,
+    shape_alpha,
+    shape_points,
+    to_uint8,
+)
+from vlmod.data.synthetic_video import TEMPORAL_TYPES, VIDEO_QUESTION_TYPES, video_sample
 
-COLORS: dict[str, tuple[int, int, int]] = {
-    "red": (220, 30, 30),
-    "green": (30, 170, 50),
-    "blue": (30, 70, 230),
-    "yellow": (240, 220, 30),
-    "purple": (150, 50, 210),
-    "orange": (250, 140, 20),
-}
-SHAPES = ("circle", "square", "triangle", "star", "cross")
-POSITIONS = ("top left", "top", "top right", "left", "center", "right", "bottom left", "bottom", "bottom right")
-COUNTS = ("one", "two", "three", "four")
-DIRECTIONS = ("left", "right", "up", "down")
-ORDERS = ("before", "after")
-
-IMAGE_QUESTION_TYPES = ("color", "shape", "count", "position")
-VIDEO_QUESTION_TYPES = ("direction", "order")
-ANSWERS: dict[str, tuple[str, ...]] = {
-    "color": tuple(COLORS),
-    "shape": SHAPES,
-    "count": COUNTS,
-    "position": POSITIONS,
-    "direction": DIRECTIONS,
-    "order": ORDERS,
-}
-QUESTIONS: dict[str, str] = {
-    "color": "what color is the {shape} ?",
-    "shape": "what shape is the {color} object ?",
-    "count": "how many objects are there ?",
-    "position": "where is the {color} {shape} ?",
-    "direction": "which direction is the {color} {shape} moving ?",
-    "order": "is the {color} {shape} before or after the {color2} {shape2} ?",
-}
-GRID = 3  # cells per side
-MAX_DISTRACTORS = 4
-MIN_IMAGE_SIZE = 24
-SUPERSAMPLE = 4  # shapes are drawn at 4x and box-filtered down: smooth edges, same bytes every run
 VIDEO_FPS = 4
 _SPLIT_CODES = {"train": 0, "val": 1}
 _KIND_CODES = {"image": 0, "video": 1}
@@ -127,113 +105,6 @@ class SyntheticSummary:
                 lines.append(f"    {qtype}: {spread}")
         lines.append(f"  {self.out_dir / 'meta.json'}: settings, question templates, answer vocabularies")
         return "\n".join(lines)
-
-
-# ----------------------------------------------------------------------------- drawing
-
-
-def background(rng: np.random.Generator, size: int) -> np.ndarray:
-    """A grey striped, noisy texture [size, size, 3] float32: low saturation so it never looks
-    like one of the shape colours, but different in every image and every patch."""
-    yy, xx = np.mgrid[0:size, 0:size].astype(np.float32)
-    angle = rng.uniform(0.0, np.pi)
-    period = rng.uniform(size / 10, size / 4)
-    phase = rng.uniform(0.0, 2 * np.pi)
-    stripes = np.sin(2 * np.pi * (xx * np.cos(angle) + yy * np.sin(angle)) / period + phase)
-    base = rng.uniform(105.0, 150.0)
-    amplitude = rng.uniform(10.0, 25.0)
-    tint = rng.uniform(-8.0, 8.0, size=3)
-    noise = rng.normal(0.0, 8.0, size=(size, size, 3))
-    img = base + amplitude * stripes[..., None] + tint + noise
-    return img.astype(np.float32)
-
-
-def shape_points(shape: str, cx: float, cy: float, r: float) -> list[tuple[float, float]]:
-    """Polygon of `shape` centred at (cx, cy) with outer radius r (circle: its bounding box
-    corners). The centre is inside every shape, so the pixel there has the shape's colour."""
-    if shape == "circle":
-        return [(cx - r, cy - r), (cx + r, cy + r)]
-    if shape == "square":
-        h = 0.85 * r
-        return [(cx - h, cy - h), (cx + h, cy - h), (cx + h, cy + h), (cx - h, cy + h)]
-    if shape == "triangle":
-        return [(cx, cy - r), (cx + 0.95 * r, cy + 0.8 * r), (cx - 0.95 * r, cy + 0.8 * r)]
-    if shape == "star":
-        pts = []
-        for k in range(10):
-            rad = r if k % 2 == 0 else 0.45 * r
-            a = -np.pi / 2 + k * np.pi / 5
-            pts.append((cx + rad * float(np.cos(a)), cy + rad * float(np.sin(a))))
-        return pts
-    if shape == "cross":
-        w = 0.33 * r
-        return [
-            (cx - w, cy - r), (cx + w, cy - r), (cx + w, cy - w), (cx + r, cy - w),
-            (cx + r, cy + w), (cx + w, cy + w), (cx + w, cy + r), (cx - w, cy + r),
-            (cx - w, cy + w), (cx - r, cy + w), (cx - r, cy - w), (cx - w, cy - w),
-        ]
-    raise ValueError(f"unknown shape {shape!r}; shapes: {', '.join(SHAPES)}")
-
-
-def shape_alpha(shape: str, cx: float, cy: float, r: float, size: int) -> np.ndarray:
-    """Coverage [size, size] in [0, 1] of `shape`, anti-aliased by drawing at SUPERSAMPLE x."""
-    from PIL import Image, ImageDraw
-
-    s = SUPERSAMPLE
-    canvas = Image.new("L", (size * s, size * s), 0)
-    draw = ImageDraw.Draw(canvas)
-    pts = [(x * s, y * s) for x, y in shape_points(shape, cx, cy, r)]
-    if shape == "circle":
-        draw.ellipse(pts, fill=255)
-    else:
-        draw.polygon(pts, fill=255)
-    small = canvas.resize((size, size), Image.BOX)
-    return np.asarray(small, dtype=np.float32) / 255.0
-
-
-def paint(img: np.ndarray, obj: dict[str, Any]) -> None:
-    """Composite one object (shape, color, center, radius) onto `img` in place."""
-    size = img.shape[0]
-    cx, cy = obj["center"]
-    alpha = shape_alpha(obj["shape"], cx, cy, obj["radius"], size)[..., None]
-    img *= 1.0 - alpha
-    img += alpha * np.asarray(COLORS[obj["color"]], dtype=np.float32)
-
-
-def to_uint8(img: np.ndarray) -> np.ndarray:
-    return np.clip(np.rint(img), 0, 255).astype(np.uint8)
-
-
-def cell_of(x: float, y: float, size: int) -> int:
-    """Index (row-major, 0..8) of the grid cell holding point (x, y) (pixel i spans [i, i + 1))."""
-    c = size / GRID
-    return min(int(y // c), GRID - 1) * GRID + min(int(x // c), GRID - 1)
-
-
-def _radius(rng: np.random.Generator, cell: float) -> float:
-    """Outer radius of a shape: 70-90% of half a cell (big enough for a tiny ViT to tell the
-    outlines apart), at most half a cell less 1 px."""
-    return float(min(cell / 2 * rng.uniform(0.7, 0.9), cell / 2 - 1.0))
-
-
-def _place(rng: np.random.Generator, cell: int, size: int) -> tuple[list[float], float]:
-    """Centre and radius of a shape inside `cell`, jittered but never leaving the cell (a 1 px
-    margin keeps anti-aliased edges out of the neighbours)."""
-    c = size / GRID
-    r = _radius(rng, c)
-    slack = max(c / 2 - r - 1.0, 0.0)
-    row, col = divmod(cell, GRID)
-    cx = (col + 0.5) * c + float(rng.uniform(-slack, slack))
-    cy = (row + 0.5) * c + float(rng.uniform(-slack, slack))
-    return [round(cx, 3), round(cy, 3)], round(r, 3)
-
-
-def _pairs_except(rng: np.random.Generator, n: int, reject: Any) -> list[tuple[str, str]]:
-    """n distinct (color, shape) pairs, none for which `reject(color, shape)` is true."""
-    pool = [(c, s) for c in COLORS for s in SHAPES if not reject(c, s)]
-    idx = rng.choice(len(pool), size=n, replace=False)
-    return [pool[int(i)] for i in idx]
-
 
 # ----------------------------------------------------------------------------- image samples
 
@@ -286,72 +157,6 @@ def image_sample(
     if qtype != "count":
         meta["target"] = 0
     return to_uint8(img), question, meta
-
-
-# ----------------------------------------------------------------------------- video samples
-
-
-def video_sample(
-    rng: np.random.Generator, qtype: str, answer: str, size: int, num_frames: int
-) -> tuple[np.ndarray, str, dict]:
-    """(frames uint8 [T, size, size, 3], question, meta) of one video question with `answer`."""
-    if qtype not in VIDEO_QUESTION_TYPES:
-        raise ValueError(f"unknown video question type {qtype!r}; types: {', '.join(VIDEO_QUESTION_TYPES)}")
-    if answer not in ANSWERS[qtype]:
-        raise ValueError(f"{answer!r} is not an answer of {qtype!r} questions: {ANSWERS[qtype]}")
-    if num_frames < 2:
-        raise ValueError(f"a video needs at least 2 frames, got num_frames={num_frames}")
-    c = size / GRID
-    bg = background(rng, size)
-    frame_noise = [rng.normal(0.0, 4.0, size=bg.shape).astype(np.float32) for _ in range(num_frames)]
-    frames = [bg + noise for noise in frame_noise]
-    if qtype == "direction":
-        (color, shape), (color2, shape2) = _pairs_except(rng, 2, lambda c_, s_: False)
-        r = _radius(rng, c)
-        horizontal = answer in ("left", "right")
-        lane = int(rng.integers(GRID))  # the row (or column) the shape travels along
-        slack = max(c / 2 - r - 1.0, 0.0)
-        across = (lane + 0.5) * c + float(rng.uniform(-slack, slack))
-        lo, hi = r + 1.0, size - r - 1.0
-        start, end = (lo, hi) if answer in ("right", "down") else (hi, lo)
-        path = np.linspace(start, end, num_frames)
-        centers = [[float(p), across] if horizontal else [across, float(p)] for p in path]
-        target = {"shape": shape, "color": color, "radius": round(r, 3), "frames": [0, num_frames - 1],
-                  "start": [round(v, 3) for v in centers[0]], "end": [round(v, 3) for v in centers[-1]]}
-        objects = [target]
-        for t, center in enumerate(centers):
-            paint(frames[t], {"shape": shape, "color": color, "center": center, "radius": r})
-        if rng.random() < 0.5:  # a static distractor in another lane
-            other_lane = [x for x in range(GRID) if x != lane][int(rng.integers(GRID - 1))]
-            along = int(rng.integers(GRID))
-            cell = other_lane * GRID + along if horizontal else along * GRID + other_lane
-            center2, r2 = _place(rng, cell, size)
-            still = {"shape": shape2, "color": color2, "center": center2, "radius": r2}
-            for frame in frames:
-                paint(frame, still)
-            objects.append({**still, "cell": cell, "frames": [0, num_frames - 1],
-                            "start": center2, "end": center2})
-        question = QUESTIONS["direction"].format(color=color, shape=shape)
-    else:
-        (color, shape), (color2, shape2) = _pairs_except(rng, 2, lambda c_, s_: False)
-        cells = [int(x) for x in rng.choice(GRID * GRID, size=2, replace=False)]
-        half = num_frames // 2
-        spans = [(0, half), (half, num_frames)]
-        objects = []
-        for (col, shp), cell, (a, b) in zip([(color, shape), (color2, shape2)], cells, spans, strict=True):
-            center, r = _place(rng, cell, size)
-            obj = {"shape": shp, "color": col, "center": center, "radius": r}
-            for t in range(a, b):
-                paint(frames[t], obj)
-            objects.append({**obj, "cell": cell, "frames": [a, b - 1], "start": center, "end": center})
-        # objects[0] is shown first: asking about it gives "before", about the other "after".
-        first, second = (objects[0], objects[1]) if answer == "before" else (objects[1], objects[0])
-        question = QUESTIONS["order"].format(
-            color=first["color"], shape=first["shape"], color2=second["color"], shape2=second["shape"]
-        )
-    meta = {"type": qtype, "objects": objects, "target": 0}
-    return np.stack([to_uint8(f) for f in frames]), question, meta
-
 
 # ----------------------------------------------------------------------------- writing
 
@@ -610,3 +415,10 @@ def run_make_data(args: argparse.Namespace) -> int:
         return 2
     print(summary.describe())
     return 0
+
+
+__all__ = [
+    "ANSWERS", "COLORS", "IMAGE_QUESTION_TYPES", "QUESTIONS", "SHAPES", "TEMPORAL_TYPES", "VIDEO_FPS",
+    "VIDEO_QUESTION_TYPES", "SyntheticSummary", "add_make_data_arguments", "background", "cell_of", "generate",
+    "image_sample", "paint", "run_make_data", "shape_alpha", "shape_points", "video_sample",
+]

@@ -1,0 +1,175 @@
+"""Clip questions of the synthetic set: most need several frames, a few only one.
+
+A method that throws frames or video tokens away is tested by the temporal types: no single
+frame answers them.
+
+==========  =====================================================  ===========================
+type        question                                               answers
+==========  =====================================================  ===========================
+direction   which direction is the {color} {shape} moving ?        left right up down
+order       is the {color} {shape} before or after the             before after
+            {color} {shape} ?
+distinct    how many different shapes appear in the video ?        one two three four
+when        when does the {color} {shape} appear : start ,         start middle end
+            middle or end ?
+last        which shape appears last ?                             circle square triangle star
+                                                                   cross
+color       what color is the {shape} ?  (one frame is enough)     the six colours
+shape       what shape is the {color} object ?  (one frame)        the five shapes
+==========  =====================================================  ===========================
+
+- direction: one shape crosses the frame (sometimes a static distractor in another lane).
+- order: one shape in the first half of the frames, another in the second half.
+- distinct: n shapes of n different kinds, each shown alone in its own consecutive span of
+  frames (so no frame holds more than one): counting them needs every span.
+- when: the shape asked about is shown in one third of the clip (start, middle or end); often
+  a distractor is shown in another third, so the model must bind the object to its time.
+- last: 2-3 shapes of different kinds in consecutive spans; the answer is the kind shown last.
+- color / shape: a static object in every frame (with a static distractor half the time).
+
+Every frame gets its own noise over one background, so skipping a frame is never free.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vlmod.data.scenes import (
+    ANSWERS,
+    GRID,
+    QUESTIONS,
+    SHAPES,
+    _pairs_except,
+    _place,
+    _radius,
+    background,
+    paint,
+    to_uint8,
+)
+
+VIDEO_QUESTION_TYPES = ("direction", "order", "distinct", "when", "last", "color", "shape")
+TEMPORAL_TYPES = ("direction", "order", "distinct", "when", "last")
+
+
+def _spans(num_frames: int, parts: int) -> list[tuple[int, int]]:
+    """`parts` consecutive, near-equal [start, end) spans covering the frames."""
+    edges = np.linspace(0, num_frames, parts + 1).round().astype(int)
+    return [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:], strict=True)]
+
+
+def _show(frames: list[np.ndarray], obj: dict, span: tuple[int, int]) -> dict:
+    """Paint a static `obj` into frames [a, b); its meta record."""
+    a, b = span
+    for t in range(a, b):
+        paint(frames[t], obj)
+    return {**obj, "frames": [a, b - 1], "start": obj["center"], "end": obj["center"]}
+
+
+def _cells(rng: np.random.Generator, n: int) -> list[int]:
+    return [int(x) for x in rng.choice(GRID * GRID, size=n, replace=False)]
+
+
+def _distinct_kinds(rng: np.random.Generator, n: int, last: str | None = None) -> list[tuple[str, str]]:
+    """n (color, shape) pairs of n different shapes (the last one of shape `last` if given)."""
+    others = [s for s in SHAPES if s != last]
+    kinds = [others[int(i)] for i in rng.choice(len(others), size=n - (last is not None), replace=False)]
+    if last is not None:
+        kinds.append(last)
+    colors = list(ANSWERS["color"])
+    return [(colors[int(rng.integers(len(colors)))], s) for s in kinds]
+
+
+def video_sample(
+    rng: np.random.Generator, qtype: str, answer: str, size: int, num_frames: int
+) -> tuple[np.ndarray, str, dict]:
+    """(frames uint8 [T, size, size, 3], question, meta) of one clip question with `answer`."""
+    if qtype not in VIDEO_QUESTION_TYPES:
+        raise ValueError(f"unknown video question type {qtype!r}; types: {', '.join(VIDEO_QUESTION_TYPES)}")
+    if answer not in ANSWERS[qtype]:
+        raise ValueError(f"{answer!r} is not an answer of {qtype!r} questions: {ANSWERS[qtype]}")
+    min_frames = 4 if qtype == "distinct" else 3 if qtype in ("when", "last") else 2
+    if num_frames < min_frames:
+        raise ValueError(f"a {qtype!r} clip needs at least {min_frames} frames, got num_frames={num_frames}")
+    c = size / GRID
+    bg = background(rng, size)
+    frames = [bg + rng.normal(0.0, 4.0, size=bg.shape).astype(np.float32) for _ in range(num_frames)]
+    everything = (0, num_frames)
+    if qtype == "direction":
+        (color, shape), (color2, shape2) = _pairs_except(rng, 2, lambda c_, s_: False)
+        r = _radius(rng, c)
+        horizontal = answer in ("left", "right")
+        lane = int(rng.integers(GRID))  # the row (or column) the shape travels along
+        slack = max(c / 2 - r - 1.0, 0.0)
+        across = (lane + 0.5) * c + float(rng.uniform(-slack, slack))
+        lo, hi = r + 1.0, size - r - 1.0
+        start, end = (lo, hi) if answer in ("right", "down") else (hi, lo)
+        path = np.linspace(start, end, num_frames)
+        centers = [[float(p), across] if horizontal else [across, float(p)] for p in path]
+        objects = [{"shape": shape, "color": color, "radius": round(r, 3), "frames": [0, num_frames - 1],
+                    "start": [round(v, 3) for v in centers[0]], "end": [round(v, 3) for v in centers[-1]]}]
+        for t, center in enumerate(centers):
+            paint(frames[t], {"shape": shape, "color": color, "center": center, "radius": r})
+        if rng.random() < 0.5:  # a static distractor in another lane
+            other_lane = [x for x in range(GRID) if x != lane][int(rng.integers(GRID - 1))]
+            along = int(rng.integers(GRID))
+            cell = other_lane * GRID + along if horizontal else along * GRID + other_lane
+            center2, r2 = _place(rng, cell, size)
+            objects.append({**_show(frames, {"shape": shape2, "color": color2, "center": center2, "radius": r2},
+                                    everything), "cell": cell})
+        question = QUESTIONS["direction"].format(color=color, shape=shape)
+    elif qtype == "order":
+        pairs = _pairs_except(rng, 2, lambda c_, s_: False)
+        spans = _spans(num_frames, 2)
+        objects = []
+        for (col, shp), cell, span in zip(pairs, _cells(rng, 2), spans, strict=True):
+            center, r = _place(rng, cell, size)
+            objects.append({**_show(frames, {"shape": shp, "color": col, "center": center, "radius": r}, span),
+                            "cell": cell})
+        # objects[0] is shown first: asking about it gives "before", about the other "after".
+        first, second = (objects[0], objects[1]) if answer == "before" else (objects[1], objects[0])
+        question = QUESTIONS["order"].format(
+            color=first["color"], shape=first["shape"], color2=second["color"], shape2=second["shape"]
+        )
+    elif qtype in ("distinct", "last"):
+        n = ANSWERS["distinct"].index(answer) + 1 if qtype == "distinct" else int(rng.integers(2, 4))
+        kinds = _distinct_kinds(rng, n, last=answer if qtype == "last" else None)
+        objects = []
+        for (col, shp), cell, span in zip(kinds, _cells(rng, n), _spans(num_frames, n), strict=True):
+            center, r = _place(rng, cell, size)
+            objects.append({**_show(frames, {"shape": shp, "color": col, "center": center, "radius": r}, span),
+                            "cell": cell})
+        question = QUESTIONS[qtype]
+    elif qtype == "when":
+        thirds = _spans(num_frames, 3)
+        which = ANSWERS["when"].index(answer)
+        pairs = _pairs_except(rng, 2, lambda c_, s_: False)
+        cells = _cells(rng, 2)
+        center, r = _place(rng, cells[0], size)
+        objects = [{**_show(frames, {"shape": pairs[0][1], "color": pairs[0][0], "center": center, "radius": r},
+                            thirds[which]), "cell": cells[0]}]
+        if rng.random() < 0.7:  # a distractor at another time
+            other = [i for i in range(3) if i != which][int(rng.integers(2))]
+            center2, r2 = _place(rng, cells[1], size)
+            objects.append({**_show(frames, {"shape": pairs[1][1], "color": pairs[1][0], "center": center2,
+                                             "radius": r2}, thirds[other]), "cell": cells[1]})
+        question = QUESTIONS["when"].format(color=pairs[0][0], shape=pairs[0][1])
+    else:  # color / shape of a static object: any one frame answers
+        target = (answer, None) if qtype == "color" else (None, answer)
+        pool = _pairs_except(rng, 1, lambda c_, s_: (target[0] or c_) != c_ or (target[1] or s_) != s_)
+        (color, shape) = pool[0]
+        # The distractor shares neither colour nor shape, so the question names one object.
+        (color2, shape2) = _pairs_except(rng, 1, lambda c_, s_: c_ == color or s_ == shape)[0]
+        cells = _cells(rng, 2)
+        center, r = _place(rng, cells[0], size)
+        objects = [{**_show(frames, {"shape": shape, "color": color, "center": center, "radius": r}, everything),
+                    "cell": cells[0]}]
+        if rng.random() < 0.5:
+            center2, r2 = _place(rng, cells[1], size)
+            objects.append({**_show(frames, {"shape": shape2, "color": color2, "center": center2, "radius": r2},
+                                    everything), "cell": cells[1]})
+        question = QUESTIONS[qtype].format(color=color, shape=shape)
+    meta = {"type": qtype, "objects": objects, "target": 0 if qtype not in ("distinct", "last") else len(objects) - 1}
+    return np.stack([to_uint8(f) for f in frames]), question, meta
+
+
+__all__ = ["TEMPORAL_TYPES", "VIDEO_QUESTION_TYPES", "video_sample"]
