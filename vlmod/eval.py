@@ -63,6 +63,8 @@ class EvalReport:
     processed_fraction: dict[str, float] = field(default_factory=dict)
     flops_per_sample: float = 0.0
     dense_flops_per_sample: float = 0.0
+    flops_by_part: dict[str, float] = field(default_factory=dict)  # per sample: vision, language
+    dense_flops_by_part: dict[str, float] = field(default_factory=dict)
     latency_s: float = 0.0
     skipped: int = 0
 
@@ -117,6 +119,7 @@ def routable_counts(trace: Any, parts: Sequence[Any]) -> dict[str, Tensor]:
 
 
 Generate = Callable[[nn.Module, dict[str, Tensor], int], Tensor]
+Flops = Callable[[nn.Module, dict[str, Tensor], Any], dict[str, float]]
 
 
 def greedy_generate(model: nn.Module, inputs: dict[str, Tensor], max_new_tokens: int) -> Tensor:
@@ -125,7 +128,9 @@ def greedy_generate(model: nn.Module, inputs: dict[str, Tensor], max_new_tokens:
     return out[:, inputs["input_ids"].shape[1]:]
 
 
-def _dataset(data: Any, processor: Any, image_root: str | Path | None, strict: bool, limit: int | None) -> Any:
+def _dataset(
+    data: Any, processor: Any, image_root: str | Path | None, strict: bool, limit: int | None, num_frames: int | None
+) -> Any:
     """The dataset to evaluate. From a path with `limit`, only the first `limit` records are read
     and their images checked: a short run on a large set does not decode every image first."""
     from vlmod.data import DataError, LlavaDataset, load_records
@@ -136,10 +141,12 @@ def _dataset(data: Any, processor: Any, image_root: str | Path | None, strict: b
     if not path.is_file():
         raise EvalError(f"data file {data} does not exist")
     try:
+        frames = {} if num_frames is None else {"num_frames": num_frames}
         if limit is None:
-            return LlavaDataset(path, processor, image_root, strict=strict)
+            return LlavaDataset(path, processor, image_root, strict=strict, **frames)
         records = load_records(path, image_root)[:limit]
-        return LlavaDataset(records, processor, image_root if image_root is not None else path.parent, strict=strict)
+        root = image_root if image_root is not None else path.parent
+        return LlavaDataset(records, processor, root, strict=strict, **frames)
     except DataError as e:
         raise EvalError(str(e)) from None
 
@@ -188,17 +195,22 @@ def evaluate(
     image_root: str | Path | None = None,
     strict: bool = False,
     generate: Generate = greedy_generate,
+    num_frames: int | None = None,
+    flops_fn: Flops = generation_flops,
 ) -> EvalReport:
     """Evaluate `model` on `data` (a LlavaDataset or a LLaVA-format JSON path); see the module doc.
 
     `generate(model, inputs, max_new_tokens) -> new token ids` is the decoding step (greedy by
-    default), replaceable for other decoding or for tests."""
+    default), replaceable for other decoding or for tests. `num_frames`: frames sampled from each
+    video (None: the dataset's default, 8). `flops_fn(model, inputs, prefill trace or None)` counts
+    prefill FLOPs per sequence by part; a method that changes the inputs (pre-LLM reduction)
+    passes its own, so its overhead and its shorter sequences are what is counted."""
     from tqdm.auto import tqdm
 
     from vlmod.data import collate
     from vlmod.routing.trace import find_parts, trace_routing
 
-    ds = _dataset(data, processor, image_root, strict, limit)
+    ds = _dataset(data, processor, image_root, strict, limit, num_frames)
     tokenizer = getattr(processor, "tokenizer", processor)
     model.eval()
     device = next(model.parameters()).device
@@ -207,6 +219,8 @@ def evaluate(
     samples: list[SampleResult] = []
     routed: dict[str, Tensor] = {}
     flops = dense_flops = seconds = 0.0
+    parts_flops: dict[str, float] = defaultdict(float)
+    dense_parts_flops: dict[str, float] = defaultdict(float)
     failed: list[str] = []
     warmed_up = False
     bar = tqdm(total=n, desc=f"eval {name}", unit="sample", disable=not progress)
@@ -243,8 +257,12 @@ def evaluate(
         seconds += time.perf_counter() - began
         prefill = _prefill_trace(model, inputs) if parts else None
         rows = len(records)
-        flops += generation_flops(model, inputs, prefill)["total"] * rows
-        dense_flops += generation_flops(model, inputs, None)["total"] * rows
+        counted, dense_counted = flops_fn(model, inputs, prefill), generation_flops(model, inputs, None)
+        flops += counted["total"] * rows
+        dense_flops += dense_counted["total"] * rows
+        for part in ("vision", "language"):
+            parts_flops[part] += counted[part] * rows
+            dense_parts_flops[part] += dense_counted[part] * rows
         predictions = tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
         for record, prompt, prediction, loss in zip(records, prompts, predictions, losses, strict=True):
             meta = record.raw.get("meta") if isinstance(record.raw, dict) else None
@@ -272,6 +290,8 @@ def evaluate(
         processed_fraction={k: c[0].item() / c[1].item() for k, c in routed.items() if c[1]},
         flops_per_sample=flops / len(samples),
         dense_flops_per_sample=dense_flops / len(samples),
+        flops_by_part={k: v / len(samples) for k, v in parts_flops.items()},
+        dense_flops_by_part={k: v / len(samples) for k, v in dense_parts_flops.items()},
         latency_s=seconds / len(samples),
         skipped=len(ds.skipped) + len(failed),
     )

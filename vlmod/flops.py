@@ -350,3 +350,25 @@ def generation_flops(model: nn.Module, inputs: Mapping[str, object], trace: obje
         "language_causal": causal,
         "total_causal": vision + causal,
     }
+
+
+def cls_attention_flops(dims: ViTDims, n_queries: int = 1) -> float:
+    """Scoring a ViT's patches by the attention of its `n_queries` prefix (CLS) tokens in one layer,
+    as pre-LLM reduction does: the query projection of those tokens, the key projection of every
+    token, and the score matmul (per image)."""
+    n = dims.num_tokens
+    width = dims.heads * dims.head_dim
+    return linear_flops(n_queries, dims.dim, width) + linear_flops(n, dims.dim, width) + 2.0 * n_queries * n * width
+
+
+def attention_router_flops(dims: DecoderDims, n_tokens: float, n_queries: float) -> float:
+    """The training-free attention router at one MoD decoder layer (`vlmod.routing.attention`):
+    the key projection of every token, the query projection of the `n_queries` instruction tokens,
+    and their scores over every key (per sequence)."""
+    q_width = dims.heads * dims.head_dim
+    kv_width = dims.kv_heads * dims.head_dim
+    return (
+        linear_flops(n_tokens, dims.dim, kv_width)
+        + linear_flops(n_queries, dims.dim, q_width)
+        + 2.0 * n_queries * n_tokens * q_width
+    )

@@ -38,6 +38,7 @@ import dataclasses
 import json
 import math
 import os
+import random
 import shutil
 import sys
 import time
@@ -88,6 +89,11 @@ class TrainConfig:
     report_to: accelerate trackers (tensorboard, wandb, ...), logged under `output_dir/logs`.
     resume: None, "latest" (the newest checkpoint in `output_dir/checkpoints`) or a checkpoint dir.
     overwrite: delete what an earlier run left in `output_dir` (checkpoints, model, logs) first.
+    capacities: train each step at a mean MoD capacity drawn from this list (seeded by step), so one
+        model serves every listed compute point (set one with `vlmod.set_capacity`); the saved model
+        keeps the capacity it was converted with. None: always that capacity.
+    distill_from: a checkpoint (the dense original) whose answer distribution the model learns to
+        match as well (`vlmod.distill`), weighted by `distill_weight`; None: plain fine-tuning.
     """
 
     model: str
@@ -128,6 +134,9 @@ class TrainConfig:
     report_to: list[str] = field(default_factory=list)
     resume: str | None = None
     overwrite: bool = False
+    capacities: list[float] | None = None
+    distill_from: str | None = None
+    distill_weight: float = 1.0
 
     def __post_init__(self) -> None:
         choices = {
@@ -150,6 +159,11 @@ class TrainConfig:
         for key, value in positive.items():
             if not value > 0:
                 raise TrainError(f"{key} must be > 0, got {value}")
+        if not (math.isfinite(self.distill_weight) and self.distill_weight >= 0):
+            raise TrainError(f"distill_weight must be a finite number >= 0, got {self.distill_weight}")
+        for c in self.capacities or []:
+            if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0.0 < c <= 1.0:
+                raise TrainError(f"capacities must be numbers in (0, 1], got {self.capacities!r}")
         if self.max_steps is not None and self.max_steps < 1:
             raise TrainError(f"max_steps must be >= 1 (or left out to train by epochs), got {self.max_steps}")
         for key in ("save_steps", "eval_steps", "log_steps", "num_workers", "warmup", "weight_decay"):
@@ -687,6 +701,7 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
     from tqdm.auto import tqdm
     from transformers import get_scheduler
 
+    from vlmod.routing.api import set_capacity
     from vlmod.routing.trace import find_parts, trace_routing
 
     start = time.perf_counter()
@@ -699,6 +714,11 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
     _check_lora_sharding(cfg, accelerator)
     set_seed(cfg.seed)
     model, processor = load_model(cfg)
+    teacher = None
+    if cfg.distill_from is not None:
+        from vlmod.distill import Teacher
+
+        teacher = Teacher.load(cfg.distill_from, accelerator.device, TrainError)
     train_set = load_dataset(cfg.data, processor, cfg)
     val_set = load_dataset(cfg.val_data, processor, cfg) if cfg.val_data else None
     if cfg.gradient_checkpointing:
@@ -777,11 +797,17 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
     routed = torch.zeros(2, dtype=torch.long, device=accelerator.device)
     last: dict[str, float] = {}
     val_loss = None
+    converted = {p.name: p.config.capacity for p in parts}
+    if cfg.capacities and not parts:
+        raise TrainError("capacities: the model has no MoD layers; convert it (or give mod:) first")
     model.train()
     while step < total_steps:
         loader.set_epoch(epoch)  # the prepared loader passes its epoch on to the sampler (and a skip-loader)
         epoch_loader = accelerator.skip_first_batches(loader, batch_in_epoch) if batch_in_epoch else loader
         for batch in epoch_loader:
+            if cfg.capacities:
+                draw = random.Random(cfg.seed * 1_000_003 + step).randrange(len(cfg.capacities))
+                set_capacity(accelerator.unwrap_model(model), cfg.capacities[draw])
             with accelerator.accumulate(model):
                 if parts:
                     with trace_routing(model) as trace:
@@ -790,6 +816,8 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
                 else:
                     out = model(**batch)
                 loss = out.loss
+                if teacher is not None:
+                    loss = loss + cfg.distill_weight * teacher.loss(out.logits, batch)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and cfg.max_grad_norm:
                     accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
@@ -832,6 +860,8 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
             epoch += 1
             batch_in_epoch = 0
     bar.close()
+    for name, capacity in converted.items() if cfg.capacities else ():
+        set_capacity(accelerator.unwrap_model(model), capacity, part=name)
     out_dir = save_model(accelerator, model, processor, Path(cfg.output_dir) / "model")
     if accelerator.is_main_process:
         write_json(Path(cfg.output_dir) / "train_log.json", {"config": cfg.to_dict(), "history": history})

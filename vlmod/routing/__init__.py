@@ -1,6 +1,14 @@
 """The routing engine: router and gate, token selection, gather/scatter, schedules, aux loss, trace."""
 
-from vlmod.routing.api import apply_mod, mod_layers, remove_mod, router_aux_loss, set_router, use_router
+from vlmod.routing.api import (
+    apply_mod,
+    mod_layers,
+    remove_mod,
+    router_aux_loss,
+    set_capacity,
+    set_router,
+    use_router,
+)
 from vlmod.routing.attention import AttentionQK, attention_keys, received_attention
 from vlmod.routing.router import Router, gate
 from vlmod.routing.schedule import capacity_to_k, layer_capacities
@@ -23,6 +31,7 @@ __all__ = [
     "remove_mod",
     "router_aux_loss",
     "select_tokens",
+    "set_capacity",
     "set_router",
     "trace_routing",
     "use_router",

@@ -163,6 +163,28 @@ def set_router(model: nn.Module, kind: str, part: str | None = None) -> nn.Modul
     return model
 
 
+def set_capacity(model: nn.Module, capacity: float, part: str | None = None) -> nn.Module:
+    """Run every converted part (or `part`) at mean capacity `capacity` from the next forward on;
+    in place, returns `model`.
+
+    The per-layer capacities follow the part's own schedule (`capacity_schedule`), exactly as
+    `apply_mod` would have set them; weights and routers are untouched. One set of weights then
+    serves several compute points (evaluate a frontier, or train with a capacity drawn per step).
+    The new capacity is saved with the model's MoD settings.
+    """
+    parts = _parts_named(model, part)
+    checked = MoDConfig(capacity=capacity).capacity  # the config's own validation and message
+    for p in parts:
+        num_layers = len(p.blocks)
+        caps = layer_capacities(checked, sorted(p.capacities), num_layers, p.config.capacity_schedule)
+        for i, c in caps.items():
+            getattr(p.blocks[i], LAYER_ATTR).capacity = c
+        p.capacities = caps
+        p.config = dataclasses.replace(p.config, capacity=checked)
+    _store_settings(model)
+    return model
+
+
 @contextmanager
 def use_router(model: nn.Module, kind: str, part: str | None = None) -> Iterator[nn.Module]:
     """`set_router` for the duration of a `with` block; the previous kinds come back after it."""
