@@ -3,8 +3,12 @@
 dense original, copied into vlmod/demo/assets/{model,dense} (what `vlmod demo` serves with no
 --model).
 
-    python scripts/build_demo_model.py                       # runs the recipe into runs/synthetic first
-    python scripts/build_demo_model.py --from runs/synthetic # reuses a finished recipe run
+    python scripts/build_demo_model.py                             # runs the image recipe first
+    python scripts/build_demo_model.py --from runs/synthetic-image # reuses a finished recipe run
+
+The MoD model is saved at the recipe's main compute point (3x fewer language-model prefill
+FLOPs). The shipped assets still come from the earlier 4-layer image recipe (capacity 0.5 on
+layers 1 and 3); the video recipe's model will replace them once it learns its set (README).
 
 The recipe is deterministic on a given machine, so this reproduces the shipped checkpoint (up to
 floating-point differences between CPUs).
@@ -39,11 +43,14 @@ def install(source: Path, target: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="build_demo_model.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--from", dest="run", help="a finished recipe run (default: run the recipe into --out)")
-    parser.add_argument("--out", default="runs/synthetic", help="where to run the recipe (default: runs/synthetic)")
+    parser.add_argument("--out", default="runs/synthetic-image",
+                        help="where to run the recipe (default: runs/synthetic-image)")
+    parser.add_argument("--task", default="image", choices=("image", "video"),
+                        help="which recipe to run when --from is not given (default: image)")
     args = parser.parse_args(argv)
     run = Path(args.run) if args.run else Path(args.out)
     if not args.run:
-        run_recipe(run, RecipeSettings())
+        run_recipe(run, RecipeSettings.for_task(args.task))
     install(run / "mod" / "model", DEFAULT_MODEL_DIR)
     install(run / "dense" / "model", DEFAULT_DENSE_DIR)
     size = sum(f.stat().st_size for d in (DEFAULT_MODEL_DIR, DEFAULT_DENSE_DIR) for f in d.iterdir())

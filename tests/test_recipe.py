@@ -1,67 +1,99 @@
-"""The synthetic recipe runs end to end (at toy size) and reports every stage."""
+"""The synthetic recipes run end to end at --quick size and report every method at every point."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 import vlmod
 from vlmod.recipe import RecipeSettings, run_recipe
 
-QUICK = RecipeSettings(
-    num_train=32, num_val=8, image_size=32, patch_size=8, width=64, vision_width=32, dense_steps=3, mod_steps=2,
-    rank_samples=4, batch_size=8, routers=("random",),
-)
+METHODS = {"image": {"learned", "random", "stride", "attention", "reduce"},
+           "video": {"learned", "random", "stride", "attention", "reduce", "frames"}}
 
 
-def test_recipe_writes_results_and_models(tmp_path: Path) -> None:
-    result = run_recipe(tmp_path, QUICK, progress=False, log=lambda _: None)
-    names = [r["model"] for r in result.rows]
-    assert names == ["dense", "MoD, before fine-tuning", "MoD, fine-tuned", "same weights, random router"]
-    assert len(result.layers) == QUICK.num_mod_layers and 0 not in result.layers
-    mod = result.row("MoD, fine-tuned")
-    assert mod["processed_fraction"] == 0.5 and mod["gflops_per_sample"] < result.row("dense")["gflops_per_sample"]
-    saved = json.loads((tmp_path / "results.json").read_text())
-    assert saved["converted_layers"] == result.layers and set(saved["stage_seconds"]) >= {"train dense", "train MoD"}
-    table = (tmp_path / "results.md").read_text()
-    assert "| dense |" in table and "within 2" in table and "whole recipe" in table
-    model = vlmod.load_pretrained(tmp_path / "mod" / "model")
-    assert sorted(i for _, i in vlmod.mod_layers(model)) == result.layers
+@pytest.fixture(scope="module")
+def image_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
+    out = tmp_path_factory.mktemp("image-recipe")
+    return out, run_recipe(out, RecipeSettings.for_task("image", quick=True), progress=False, log=lambda _: None)
 
+
+@pytest.mark.parametrize("task", ["image", "video"])
+def test_recipe_writes_every_method_at_every_compute_point(task: str, image_run: tuple,
+                                                           tmp_path: Path) -> None:
+    if task == "image":
+        out, result = image_run
+    else:
+        out = tmp_path
+        result = run_recipe(out, RecipeSettings.for_task("video", quick=True), progress=False, log=lambda _: None)
+    s = result.settings
+    saved = json.loads((out / "results.json").read_text())
+    rows = saved["results"]
+    assert [r["method"] for r in rows if r["target"] is None] == ["dense"]
+    for target in s.targets:
+        assert {r["method"] for r in rows if r["target"] == target} >= METHODS[task]
+    assert [r["method"] for r in rows if r["method"] == "learned+vision"] == ["learned+vision"]
+    assert saved["converted_layers"] == list(range(1, s.layers)) and len(saved["compute_points"]) == len(s.targets)
+    dense = next(r for r in rows if r["method"] == "dense")
+    for r in rows:
+        assert set(r["gflops"]) == {"vision", "language"}
+        assert r["language_reduction"] == pytest.approx(dense["gflops"]["language"] / r["gflops"]["language"])
+    tower = next(r for r in rows if r["method"] == "learned+vision")
+    assert tower["gflops"]["vision"] < dense["gflops"]["vision"]
+    if task == "video":
+        frames = [r for r in rows if r["method"] == "frames"]
+        assert all(r["gflops"]["vision"] < dense["gflops"]["vision"] for r in frames)
+        assert "direction*" in (out / "results.md").read_text()
+    table = (out / "results.md").read_text()
+    assert "| dense |" in table and "goal (3x fewer" in table and "whole recipe" in table
+    assert (out / "frontier.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    model = vlmod.load_pretrained(out / "mod" / "model")
+    assert sorted(i for _, i in vlmod.mod_layers(model)) == saved["converted_layers"]
+
+
+def test_the_demo_model_installs_from_a_recipe_run(image_run: tuple) -> None:
+    out, _ = image_run
     spec = importlib.util.spec_from_file_location("build_demo_model", Path(__file__).parents[1] / "scripts" / "build_demo_model.py")
     build = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(build)
-    build.install(tmp_path / "mod" / "model", tmp_path / "assets" / "model")
-    assert vlmod.mod_layers(vlmod.load_pretrained(tmp_path / "assets" / "model")) == vlmod.mod_layers(model)
+    model = vlmod.load_pretrained(out / "mod" / "model")
+    build.install(out / "mod" / "model", out / "assets" / "model")
+    assert vlmod.mod_layers(vlmod.load_pretrained(out / "assets" / "model")) == vlmod.mod_layers(model)
 
 
-def test_reuse_dense_reruns_only_the_mod_stages(tmp_path: Path) -> None:
-    import dataclasses
-
-    import pytest
-
+def test_reuse_dense_refuses_other_settings(image_run: tuple) -> None:
     from vlmod.errors import InputError
 
-    first = run_recipe(tmp_path, QUICK, progress=False, log=lambda _: None)
-    again = run_recipe(tmp_path, dataclasses.replace(QUICK, mod_steps=1), progress=False, log=lambda _: None,
-                       reuse_dense=True)
-    assert again.stages["train dense"] == first.stages["train dense"]
-    assert again.row("dense")["accuracy"] == first.row("dense")["accuracy"]
+    out, _ = image_run
     with pytest.raises(InputError, match="dense_steps"):
-        run_recipe(tmp_path, dataclasses.replace(QUICK, dense_steps=4), progress=False, reuse_dense=True)
+        run_recipe(out, dataclasses.replace(RecipeSettings.for_task("image", quick=True), dense_steps=4),
+                   progress=False, reuse_dense=True)
 
 
-def test_synthetic_finetune_configs_match_the_recipe() -> None:
-    """configs/finetune/synthetic-*.yaml are the recipe's training stages, written out."""
+def test_recipe_settings_refuse_bad_values() -> None:
+    from vlmod.errors import InputError
+
+    with pytest.raises(InputError, match="--task"):
+        RecipeSettings.for_task("audio")
+    with pytest.raises(InputError, match="targets"):
+        RecipeSettings.for_task("image", targets=(0.5,))
+
+
+@pytest.mark.parametrize(("task", "prefix"), [("image", "synthetic"), ("video", "synthetic-video")])
+def test_synthetic_finetune_configs_match_the_recipe(task: str, prefix: str) -> None:
+    """configs/finetune/synthetic-*.yaml are the recipes' training stages, written out."""
     from vlmod.argtypes import read_yaml_mapping
     from vlmod.train import TrainConfig, TrainError
 
     root = Path(__file__).parents[1] / "configs" / "finetune"
-    s = RecipeSettings()
-    dense = TrainConfig.from_dict(read_yaml_mapping(root / "synthetic-dense.yaml", TrainError))
-    mod = TrainConfig.from_dict(read_yaml_mapping(root / "synthetic-mod.yaml", TrainError))
+    s = RecipeSettings.for_task(task)
+    dense = TrainConfig.from_dict(read_yaml_mapping(root / f"{prefix}-dense.yaml", TrainError))
+    mod = TrainConfig.from_dict(read_yaml_mapping(root / f"{prefix}-mod.yaml", TrainError))
     assert (dense.lr, dense.max_steps, dense.weight_decay, dense.batch_size) == (s.dense_lr, s.dense_steps, s.weight_decay, s.batch_size)
-    assert dense.trainable == "full" and dense.train_vision_tower
+    assert dense.trainable == "full" and dense.train_vision_tower and dense.num_frames == s.frames
     assert (mod.lr, mod.router_lr, mod.max_steps, mod.batch_size) == (s.mod_lr, s.router_lr, s.mod_steps, s.batch_size)
     assert mod.trainable == "language" and not mod.train_vision_tower

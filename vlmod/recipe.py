@@ -1,20 +1,24 @@
-"""The synthetic recipe: the offline, end-to-end quality check of vlmod on a CPU.
+"""The synthetic recipes: vlmod's offline, end-to-end quality check on a CPU, for images and video.
 
-1. generate the synthetic shapes set (`vlmod.data.synthetic`);
-2. train a tiny LLaVA dense from scratch on it (every parameter, the vision tower included);
-3. rank its language layers by attention rank (ARank) and convert the lowest-ranked ones to MoD
-   at `capacity` on image tokens;
-4. evaluate before fine-tuning (the zero-initialised router scores every token alike, so its
-   choice is arbitrary: the drop says what routing costs untrained);
-5. fine-tune the converted model (routers + projector + language model, tower frozen);
-6. evaluate the fine-tuned model with its learned router, and with the same weights routed
-   randomly, by a fixed stride and by the inverted router, at the same capacity: the learned
-   router has to beat them for it to be doing real work;
-7. write `results.json` and `results.md` (the README's Results table) under `out`.
+`--task image`: a tiny LLaVA on the synthetic shapes set; `--task video`: a tiny
+LLaVA-NeXT-Video on synthetic clips through the real video path (the processor's video inputs,
+`pixel_values_videos`, video tokens routable), 8 frames a clip, with questions most of which
+need several frames (`vlmod.data.synthetic_video`).
 
-Every stage is a public vlmod function (the ones behind `vlmod tiny`, `vlmod finetune`,
-`vlmod rank`, `vlmod convert`, `vlmod eval`), so the recipe is also a worked example of the
-workflow on a real checkpoint.
+1. generate the data; 2. train the model dense from scratch (tower included); 3. rank its
+language layers (ARank, reported; the converted layers are every layer but layer 0 unless
+`mod_layers="arank:N"`); 4. solve the compute points: for each target reduction of language-model
+prefill FLOPs, the MoD capacity, the kept fraction of a pre-LLM reduction and (video) the
+number of frames that reach it (`vlmod.frontier`); 5. convert; 6. fine-tune one MoD model with
+its capacity drawn per step from the compute points' capacities (one model, every point),
+distilling the dense model's answer distribution (`vlmod.distill`);
+7. evaluate dense, the fine-tuned MoD model at every point, and at the same points: the random
+and stride routers on its weights, the training-free attention router on the dense weights,
+pre-LLM reduction and frame subsampling of the dense model, and at the main point the MoD model
+with the vision tower routed too; 8. write results.json, results.md and frontier.png.
+
+Every stage is a public vlmod function (`vlmod tiny`, `finetune`, `rank`, `convert`, `eval`,
+`vlmod.reduction`), so the recipe is also a worked example of the workflow.
 """
 
 from __future__ import annotations
@@ -30,43 +34,82 @@ from typing import Any
 
 import torch
 
-from vlmod.argtypes import fraction, non_negative_int, positive_int
+from vlmod.argtypes import positive_int
 from vlmod.errors import InputError
-from vlmod.fileio import write_json
+from vlmod.fileio import write_json, write_text
+
+TASKS = ("image", "video")
 
 
 @dataclass
 class RecipeSettings:
-    """Everything the recipe depends on; the defaults are the README's Results run."""
+    """Everything a recipe depends on; `for_task` gives the README's runs."""
 
+    task: str = "image"
     num_train: int = 16000
     num_val: int = 400
     image_size: int = 32
+    frames: int = 8
     distractors: int = 0
     width: int = 128
-    layers: int = 4
+    layers: int = 8
     heads: int = 4
     kv_heads: int = 2
     vision_width: int = 128
-    vision_layers: int = 3
+    vision_layers: int = 2
     patch_size: int = 4
-    dense_steps: int = 3500
+    dense_steps: int = 2500
     dense_lr: float = 1e-3
     weight_decay: float = 0.05
     batch_size: int = 32
-    capacity: float = 0.5
-    num_mod_layers: int = 2
+    mod_layers: str = "all"
+    schedule: str | None = None
+    targets: tuple[float, ...] = (1.5, 2.0, 3.0, 3.5)
+    goal: float = 3.0
     rank_samples: int = 64
-    mod_steps: int = 1200
+    mod_steps: int = 800
     mod_lr: float = 5e-4
     router_lr: float = 5e-3
-    routers: tuple[str, ...] = ("random", "stride", "inverted")
+    routers: tuple[str, ...] = ("random", "stride", "attention")
+    vision_capacity: float = 0.5
+    distill: bool = True
+    eval_batch_size: int = 32
     seed: int = 0
     threads: int | None = None
 
+    @classmethod
+    def for_task(cls, task: str, quick: bool = False, **overrides: Any) -> RecipeSettings:
+        """The defaults of `task` ("image" or "video"); `quick`: toy sizes that run the whole
+        pipeline in well under two minutes (for tests; its accuracies mean nothing)."""
+        if task not in TASKS:
+            raise InputError(f"--task must be one of {', '.join(TASKS)}, got {task!r}")
+        base: dict[str, Any] = {"task": task}
+        if task == "video":
+            base.update(num_train=8000, num_val=420, vision_width=64, batch_size=16, eval_batch_size=16, dense_steps=3000)
+        if quick:
+            base.update(
+                num_train=32 if task == "image" else 28, num_val=8 if task == "image" else 14, width=64, layers=4,
+                vision_width=32, patch_size=8, dense_steps=3, mod_steps=2, rank_samples=4, batch_size=8,
+                frames=4, eval_batch_size=16, targets=(1.5, 3.0),
+            )
+        base.update(overrides)
+        return cls(**base)
+
+    def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise InputError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
+        if not self.targets or any(t <= 1.0 for t in self.targets):
+            raise InputError(f"targets are LM FLOPs reductions > 1 (e.g. 2 for half the FLOPs), got {self.targets}")
+        self.targets = tuple(sorted(float(t) for t in self.targets))
+        self.routers = tuple(self.routers)
+
+    @property
+    def family(self) -> str:
+        return "llava" if self.task == "image" else "llava_next_video"
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d["routers"] = list(self.routers)
+        d["targets"], d["routers"] = list(self.targets), list(self.routers)
         return d
 
 
@@ -77,15 +120,17 @@ class RecipeResult:
     stages: dict[str, float] = field(default_factory=dict)
     layers: list[int] = field(default_factory=list)
     ranks: list[float] = field(default_factory=list)
+    points: list[dict[str, Any]] = field(default_factory=list)
 
-    def row(self, name: str) -> dict[str, Any]:
-        return next(r for r in self.rows if r["model"] == name)
+    def row(self, method: str, target: float | None = None) -> dict[str, Any]:
+        return next(r for r in self.rows if r["method"] == method and r["target"] == target)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "settings": self.settings.to_dict(),
             "converted_layers": self.layers,
             "normalized_ranks": self.ranks,
+            "compute_points": self.points,
             "results": self.rows,
             "stage_seconds": self.stages,
             "total_seconds": sum(self.stages.values()),
@@ -93,72 +138,22 @@ class RecipeResult:
         }
 
 
-def _row(name: str, report: Any) -> dict[str, Any]:
-    fractions = list(report.processed_fraction.values())
-    return {
-        "model": name,
-        "accuracy": report.accuracy,
-        "accuracy_by_type": dict(report.accuracy_by_type),
-        "answer_loss": report.answer_loss,
-        "processed_fraction": sum(fractions) / len(fractions) if fractions else 1.0,
-        "gflops_per_sample": report.flops_per_sample / 1e9,
-        "dense_gflops_per_sample": report.dense_flops_per_sample / 1e9,
-        "latency_ms": report.latency_s * 1e3,
-    }
-
-
-def format_results(result: RecipeResult) -> str:
-    """The Results table (markdown), with the acceptance checks under it."""
-    types = sorted({t for r in result.rows for t in r["accuracy_by_type"]})
-    headers = ["model", "accuracy", *types, "answer loss", "image tokens run", "GFLOPs/sample"]
-    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    for r in result.rows:
-        cells = [
-            r["model"], f"{100 * r['accuracy']:.1f}%",
-            *(f"{100 * r['accuracy_by_type'].get(t, float('nan')):.1f}%" for t in types),
-            f"{r['answer_loss']:.3f}", f"{100 * r['processed_fraction']:.0f}%", f"{r['gflops_per_sample']:.4f}",
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    lines.append("")
-    lines.extend(f"- {c}" for c in acceptance(result))
-    return "\n".join(lines)
-
-
-def acceptance(result: RecipeResult) -> list[str]:
-    """The issue's four checks, each stated with its numbers and whether it holds."""
-    dense = result.row("dense")["accuracy"]
-    before = result.row("MoD, before fine-tuning")["accuracy"]
-    after = result.row("MoD, fine-tuned")["accuracy"]
-    checks = [
-        f"dense from scratch: {100 * dense:.1f}% (aim >= 90%): {'met' if dense >= 0.9 else 'NOT met'}",
-        f"converted, before fine-tuning: {100 * before:.1f}% ({100 * (before - dense):+.1f} points vs dense)",
-        f"fine-tuned MoD: {100 * after:.1f}% ({100 * (after - dense):+.1f} points vs dense; within 2: "
-        f"{'met' if after >= dense - 0.02 else 'NOT met'})",
-    ]
-    for r in result.rows:
-        if r["model"].startswith("same weights, "):
-            gap = after - r["accuracy"]
-            checks.append(f"{r['model']}: {100 * r['accuracy']:.1f}% ({100 * gap:.1f} points below the learned router)")
-    total = sum(result.stages.values())
-    checks.append(f"whole recipe: {total / 60:.1f} min ({', '.join(f'{k} {v:.0f} s' for k, v in result.stages.items())})")
-    return checks
-
-
 _DENSE_SETTINGS = (
-    "num_train", "num_val", "image_size", "distractors", "width", "layers", "heads", "kv_heads", "vision_width",
-    "vision_layers", "patch_size", "dense_steps", "dense_lr", "weight_decay", "batch_size", "seed",
+    "task", "num_train", "num_val", "image_size", "frames", "distractors", "width", "layers", "heads", "kv_heads",
+    "vision_width", "vision_layers", "patch_size", "dense_steps", "dense_lr", "weight_decay", "batch_size", "seed",
 )
 
 
-def _check_reusable(out: Path, s: RecipeSettings) -> None:
-    """An earlier run's dense model may be reused only if it was trained with these settings."""
-    results = out / "results.json"
-    if not (out / "dense" / "model" / "model.safetensors").is_file() or not results.is_file():
-        raise InputError(f"--reuse-dense: {out} holds no finished recipe run (dense/model and results.json)")
-    before = json.loads(results.read_text())["settings"]
-    changed = [k for k in _DENSE_SETTINGS if before.get(k) != getattr(s, k)]
+def _check_reusable(out: Path, s: RecipeSettings) -> dict[str, float]:
+    """The stage times of an earlier run's dense model in `out`, if trained with these settings."""
+    record = out / "dense" / "recipe.json"
+    if not (out / "dense" / "model" / "model.safetensors").is_file() or not record.is_file():
+        raise InputError(f"--reuse-dense: {out} holds no finished dense stage (dense/model and dense/recipe.json)")
+    before = json.loads(record.read_text())
+    changed = [k for k in _DENSE_SETTINGS if before["settings"].get(k) != getattr(s, k)]
     if changed:
         raise InputError(f"--reuse-dense: the dense model in {out} was trained with other {', '.join(changed)}")
+    return before["stage_seconds"]
 
 
 class _Stages:
@@ -171,27 +166,47 @@ class _Stages:
         self.log(f"== {name}")
         start = time.perf_counter()
         value = fn()
-        self.result.stages[name] = time.perf_counter() - start
-        self.log(f"   {name}: {self.result.stages[name]:.0f} s")
+        self.result.stages[name] = self.result.stages.get(name, 0.0) + time.perf_counter() - start
+        self.log(f"   {name}: {time.perf_counter() - start:.0f} s")
         return value
+
+
+def token_counts(processor: Any, data: Path, s: RecipeSettings, limit: int = 64) -> Any:
+    """Mean text and vision tokens of the eval prompts (the first `limit`)."""
+    from vlmod.data import LlavaDataset, load_records
+    from vlmod.frontier import TokenCounts
+
+    records = load_records(data)[:limit]
+    ds = LlavaDataset(records, processor, data.parent, num_frames=s.frames)
+    tok = processor.tokenizer
+    media = tok.convert_tokens_to_ids("<video>" if s.task == "video" else "<image>")
+    text = vision = 0.0
+    for i in range(len(ds.records)):
+        inputs = ds.prompt_inputs(i).inputs
+        n_vision = int((inputs["input_ids"] == media).sum())
+        vision += n_vision
+        text += int(inputs["attention_mask"].sum()) - n_vision
+    n = len(ds.records)
+    return TokenCounts(text=text / n, vision=vision / n, frames=s.frames if s.task == "video" else 1)
 
 
 def run_recipe(out: str | Path, settings: RecipeSettings | None = None, progress: bool = True,
                log: Callable[[str], None] = print, reuse_dense: bool = False) -> RecipeResult:
-    """Run every stage into `out` (see the module doc) and write results.json / results.md.
-
-    reuse_dense: keep the dense model of an earlier run in `out` trained with the same settings
-    (to rerun the MoD stages with other MoD settings); its training time is taken from that
-    run's results.json."""
+    """Run every stage into `out` (see the module doc) and write results.json / results.md /
+    frontier.png. reuse_dense: keep the dense model of an earlier run in `out` trained with the
+    same settings (its training time is taken from that run's record)."""
     from transformers import AutoProcessor
 
-    from vlmod import tiny
+    from vlmod import frontier, tiny
     from vlmod.arank import rank_checkpoint
+    from vlmod.config import MoDConfig
     from vlmod.convert import ConvertOptions, convert
     from vlmod.data.synthetic import generate
     from vlmod.eval import evaluate
+    from vlmod.flops import DecoderDims, attention_router_flops
     from vlmod.hf import load_pretrained
-    from vlmod.routing.api import use_router
+    from vlmod.reduction import PreLLMReduction, reduction_flops
+    from vlmod.routing.api import apply_mod, set_capacity, set_router
     from vlmod.train import TrainConfig, train
 
     s = settings or RecipeSettings()
@@ -199,107 +214,224 @@ def run_recipe(out: str | Path, settings: RecipeSettings | None = None, progress
     out.mkdir(parents=True, exist_ok=True)
     if s.threads:
         torch.set_num_threads(s.threads)
+    torch.manual_seed(s.seed)
     result = RecipeResult(settings=s)
     stages = _Stages(result, log)
     data = out / "data"
+    video = s.task == "video"
+    train_json = data / ("video_train.json" if video else "train.json")
+    val_json = data / ("video_val.json" if video else "val.json")
 
-    stages.run("data", lambda: generate(
-        data, s.num_train, s.num_val, image_size=s.image_size, distractors=s.distractors, seed=s.seed, progress=progress
-    ))
+    def make_data() -> None:
+        if video:
+            generate(data, 0, 0, image_size=s.image_size, seed=s.seed, video=True, num_videos=s.num_train,
+                     num_val_videos=s.num_val, num_frames=s.frames, progress=progress)
+        else:
+            generate(data, s.num_train, s.num_val, image_size=s.image_size, distractors=s.distractors, seed=s.seed,
+                     progress=progress)
 
     def init() -> None:
         model, processor = tiny.build(
-            "llava", width=s.width, layers=s.layers, heads=s.heads, kv_heads=s.kv_heads, vision_width=s.vision_width,
-            vision_layers=s.vision_layers, image_size=s.image_size, patch_size=s.patch_size, seed=s.seed,
+            s.family, width=s.width, layers=s.layers, heads=s.heads, kv_heads=s.kv_heads, vision_width=s.vision_width,
+            vision_layers=s.vision_layers, image_size=s.image_size, patch_size=s.patch_size,
+            vision_feature_layer=-1, seed=s.seed,
         )
         model.save_pretrained(out / "init")
         processor.save_pretrained(out / "init")
 
     def finetune(model: Path, run: str, **kw: Any) -> Path:
         cfg = TrainConfig(
-            model=str(model), data=str(data / "train.json"), output_dir=str(out / run), batch_size=s.batch_size,
-            cache_data=True, seed=s.seed, log_steps=25, warmup=0.05, **kw,
+            model=str(model), data=str(train_json), output_dir=str(out / run), batch_size=s.batch_size,
+            cache_data=True, seed=s.seed, log_steps=25, warmup=0.05, num_frames=s.frames, overwrite=True, **kw,
         )
         return train(cfg, progress=progress).model_dir
 
-    def evaluated(name: str, model_dir: Path, router: str | None = None) -> dict[str, Any]:
-        model = load_pretrained(model_dir).eval()
-        processor = AutoProcessor.from_pretrained(model_dir)
-        if router is None:
-            report = evaluate(model, processor, data / "val.json", batch_size=64, max_new_tokens=4, progress=progress, name=name)
-        else:
-            with use_router(model, router):
-                report = evaluate(model, processor, data / "val.json", batch_size=64, max_new_tokens=4, progress=progress, name=name)
-        row = _row(name, report)
-        result.rows.append(row)
-        log(f"   {name}: accuracy {100 * row['accuracy']:.1f}%, answer loss {row['answer_loss']:.3f}")
-        return row
-
     dense = out / "dense" / "model"
     if reuse_dense:
-        _check_reusable(out, s)
-        previous = json.loads((out / "results.json").read_text())["stage_seconds"]
-        result.stages.update({k: previous[k] for k in ("init", "train dense")})
-        log(f"== reusing the dense model in {dense} (trained in {previous['train dense']:.0f} s)")
+        result.stages.update(_check_reusable(out, s))
+        log(f"== reusing the dense model in {dense} (trained in {result.stages['train dense']:.0f} s)")
     else:
+        stages.run("data", make_data)
         stages.run("init", init)
         stages.run("train dense", lambda: finetune(
             out / "init", "dense", trainable="full", train_vision_tower=True, lr=s.dense_lr, max_steps=s.dense_steps,
             weight_decay=s.weight_decay,
         ))
-    stages.run("eval dense", lambda: evaluated("dense", dense))
+        write_json(out / "dense" / "recipe.json", {"settings": s.to_dict(), "stage_seconds": dict(result.stages)})
+
+    processor = AutoProcessor.from_pretrained(dense)
+    dims = DecoderDims.from_config(load_pretrained(dense).config.text_config)
+
+    def evaluated(model: Any, name: str, **kw: Any) -> Any:
+        report = evaluate(model, processor, val_json, batch_size=s.eval_batch_size, max_new_tokens=4,
+                          progress=progress, name=name, num_frames=kw.pop("num_frames", s.frames), **kw)
+        log(f"   {name}: accuracy {100 * report.accuracy:.1f}%, answer loss {report.answer_loss:.3f}, "
+            f"LM GFLOPs {report.flops_by_part['language'] / 1e9:.4f}")
+        return report
+
+    dense_model = load_pretrained(dense).eval()
+    dense_report = stages.run("eval dense", lambda: evaluated(dense_model, "dense"))
+    result.rows.append(frontier.row("dense", None, "-", dense_report))
 
     def rank() -> list[int]:
-        ranks = rank_checkpoint(str(dense), data / "train.json", num_samples=s.rank_samples, batch_size=16, progress=progress)
-        chosen = sorted(ranks.select(s.num_mod_layers))
+        ranks = rank_checkpoint(str(dense), train_json, num_samples=s.rank_samples, batch_size=8, progress=progress)
+        result.ranks = list(ranks.normalized)
+        if s.mod_layers.startswith("arank:"):
+            chosen = sorted(ranks.select(int(s.mod_layers.split(":", 1)[1])))
+        else:
+            chosen = list(range(1, s.layers))
         ranks.suggested = chosen
         write_json(out / "ranks.json", ranks.to_dict())
-        result.layers, result.ranks = chosen, list(ranks.normalized)
-        log(f"   ARank normalised ranks {[round(r, 3) for r in ranks.normalized]} -> convert layers {chosen}")
+        log(f"   ARank normalised ranks {[round(r, 3) for r in ranks.normalized]}; converted layers {chosen}")
         return chosen
 
-    layers = stages.run("rank", rank)
+    result.layers = layers = stages.run("rank", rank)
+    counts = token_counts(processor, val_json, s)
+    scoring = attention_router_flops(dims, counts.total, counts.text)  # per MoD layer
+    for t in s.targets:
+        point = {
+            "target": t,
+            "capacity": frontier.solve_capacity(dims, counts, t, layers, s.schedule),
+            "attention_capacity": frontier.solve_capacity(dims, counts, t, layers, s.schedule, scoring),
+            "keep": frontier.solve_keep(dims, counts, t),
+        }
+        if video:
+            point["frames"] = frontier.solve_frames(dims, counts, t)
+        result.points.append(point)
+    log(f"   tokens per sample: text {counts.text:.1f}, vision {counts.vision:.1f}; compute points {result.points}")
+
     converted = out / "converted"
+    routable = ["video"] if video else ["image"]
+    main = min(result.points, key=lambda p: abs(p["target"] - s.goal))
     stages.run("convert", lambda: convert(ConvertOptions(
-        model=str(dense), out=str(converted), capacity=s.capacity, layers=layers, routable=["image"], overwrite=True,
+        model=str(dense), out=str(converted), capacity=main["capacity"], layers=layers, routable=routable,
+        capacity_schedule=s.schedule, overwrite=True,
     )))
-    stages.run("eval converted", lambda: evaluated("MoD, before fine-tuning", converted))
     mod = stages.run("train MoD", lambda: finetune(
         converted, "mod", trainable="language", lr=s.mod_lr, router_lr=s.router_lr, max_steps=s.mod_steps,
+        capacities=[p["capacity"] for p in result.points], distill_from=str(dense) if s.distill else None,
     ))
-    stages.run("eval MoD", lambda: evaluated("MoD, fine-tuned", mod))
-    for router in s.routers:
-        stages.run(f"eval {router}", lambda r=router: evaluated(f"same weights, {r} router", mod, router=r))
+    mod_model = load_pretrained(mod).eval()
+    attention_model = load_pretrained(converted).eval()
+    set_router(attention_model, "attention")
 
+    for p in result.points:
+        t, cap = p["target"], p["capacity"]
+        set_capacity(mod_model, cap)
+        setting = f"capacity {cap:.3f}"
+        with_router = [("learned", None)] + [(r, r) for r in s.routers if r != "attention"]
+        for method, router in with_router:
+            def run_mod(router: str | None = router, name: str = f"{method} /{t:g}") -> Any:
+                if router is None:
+                    return evaluated(mod_model, name)
+                set_router(mod_model, router)
+                try:
+                    return evaluated(mod_model, name)
+                finally:
+                    set_router(mod_model, "learned")
+            result.rows.append(frontier.row(method, t, setting, stages.run(f"eval {method}", run_mod)))
+        if "attention" in s.routers:
+            # Its scoring costs FLOPs too: a lower capacity reaches the same total.
+            set_capacity(attention_model, p["attention_capacity"])
+            report = stages.run("eval attention", lambda n=f"attention /{t:g}": evaluated(attention_model, n))
+            result.rows.append(frontier.row("attention", t, f"capacity {p['attention_capacity']:.3f}", report,
+                                            len(layers) * scoring))
+        reducer = PreLLMReduction(dense_model, p["keep"])
+        report = stages.run("eval reduce", lambda r=reducer, n=f"reduce /{t:g}": evaluated(r, n, flops_fn=reduction_flops))
+        report.processed_fraction = {"kept": p["keep"]}
+        result.rows.append(frontier.row("reduce", t, f"keep {p['keep']:.3f}", report))
+        if video:
+            f = p["frames"]
+            report = stages.run("eval frames", lambda f=f: evaluated(dense_model, f"frames {f}", num_frames=f))
+            report.processed_fraction = {"frames": f / s.frames}
+            result.rows.append(frontier.row("frames", t, f"{f} of {s.frames} frames", report))
+
+    # The main point again with the vision tower routed too (training-free, CLS attention).
+    set_capacity(mod_model, main["capacity"])
+    tower = MoDConfig(capacity=s.vision_capacity, layers=[s.vision_layers - 1], routable=("image",), router="attention")
+    apply_mod(mod_model, tower, part="vision")
+    report = stages.run("eval vision MoD", lambda: evaluated(mod_model, "learned + vision tower"))
+    report.processed_fraction = {k: v for k, v in report.processed_fraction.items() if k.startswith("language")}
+    result.rows.append(frontier.row("learned+vision", main["target"],
+                                    f"capacity {main['capacity']:.3f}, tower {s.vision_capacity:g}", report))
+
+    # Every method against the dense model on the full inputs (frame subsampling's own "dense"
+    # would be the dense model on fewer frames).
+    dense_lm = result.row("dense")["gflops"]["language"]
+    for r in result.rows:
+        r["language_reduction"] = dense_lm / r["gflops"]["language"]
     write_json(out / "results.json", result.to_dict())
     table = format_results(result)
-    tmp = out / "results.md.tmp"
-    tmp.write_text(table + "\n")
-    tmp.replace(out / "results.md")
+    write_text(out / "results.md", table + "\n")
+    frontier.plot_frontier(result.rows, out / "frontier.png", f"synthetic {s.task} recipe: accuracy against compute")
     log(table)
     return result
 
 
+def format_results(result: RecipeResult) -> str:
+    """results.md: the frontier table, the verdicts and the stage times."""
+    from vlmod.data.synthetic_video import TEMPORAL_TYPES
+    from vlmod.frontier import format_frontier, verdicts
+
+    s = result.settings
+    temporal = TEMPORAL_TYPES if s.task == "video" else ()
+    lines = [format_frontier(result.rows, temporal), ""]
+    if temporal:
+        lines += ["(* needs several frames)", ""]
+    lines.append(f"- converted language layers {result.layers} of {s.layers}; ARank normalised ranks "
+                 f"{[round(r, 3) for r in result.ranks]}")
+    lines += [f"- {v}" for v in verdicts(result.rows, s.goal)]
+    dense = result.row("dense")
+    lines.append(f"- dense accuracy {100 * dense['accuracy']:.1f}% (aim >= 90%), by type "
+                 + ", ".join(f"{t} {100 * a:.1f}%" for t, a in sorted(dense["accuracy_by_type"].items())))
+    total = sum(result.stages.values())
+    lines.append(f"- whole recipe: {total / 60:.1f} min ("
+                 + ", ".join(f"{k} {v:.0f} s" for k, v in result.stages.items()) + ")")
+    return "\n".join(lines)
+
+
 # ----------------------------------------------------------------------------- command line
+
+_FLAGS: tuple[tuple[str, Any, str], ...] = (
+    ("num_train", positive_int, "training images (image task) or clips (video task)"),
+    ("num_val", positive_int, "validation samples"),
+    ("frames", positive_int, "frames per clip (video task)"),
+    ("width", positive_int, "language model width"),
+    ("layers", positive_int, "language model layers"),
+    ("vision_width", positive_int, "vision tower width"),
+    ("dense_steps", positive_int, "steps of dense training from scratch"),
+    ("dense_lr", float, "learning rate of dense training"),
+    ("batch_size", positive_int, "training batch size"),
+    ("mod_steps", positive_int, "steps of MoD fine-tuning"),
+    ("mod_lr", float, "learning rate of MoD fine-tuning"),
+    ("router_lr", float, "learning rate of the routers"),
+    ("mod_layers", str, "converted language layers: 'all' (every layer but 0) or 'arank:N'"),
+    ("schedule", str, "per-layer capacity schedule: none or cosine"),
+    ("seed", int, "seed of data, init, training and evaluation"),
+)
 
 
 def add_recipe_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Flags of `scripts/synthetic_recipe.py`: the output folder and any RecipeSettings field."""
-    defaults = RecipeSettings()
-    parser.add_argument("--out", default="runs/synthetic", help="output folder (default: runs/synthetic)")
-    for name, value in defaults.to_dict().items():
-        if name in ("routers", "threads", "capacity"):
-            continue
-        kind = (non_negative_int if name in ("seed", "distractors") else positive_int) if isinstance(value, int) else float
-        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, default=value,
-                            help=f"default: {value}")
-    parser.add_argument("--capacity", type=fraction, default=defaults.capacity, help="MoD capacity on image tokens")
-    parser.add_argument("--routers", nargs="*", default=list(defaults.routers),
-                        help="baselines evaluated on the fine-tuned weights (default: random stride inverted)")
+    """Flags of `vlmod recipe` / `scripts/synthetic_recipe.py`: a task, its defaults, overrides."""
+    parser.add_argument("--task", default="image", choices=TASKS, help="image or video recipe (default: image)")
+    parser.add_argument("--out", default=None, help="output folder (default: runs/synthetic-TASK)")
+    parser.add_argument("--quick", action="store_true", help="toy sizes: the whole pipeline in under 2 minutes")
+    image, vid = RecipeSettings.for_task("image"), RecipeSettings.for_task("video")
+    for name, kind, text in _FLAGS:
+        a, b = getattr(image, name), getattr(vid, name)
+        shown = f"{a}" if a == b else f"image {a}, video {b}"
+        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, default=None,
+                            help=f"{text} (default: {shown})")
+    parser.add_argument("--targets", type=float, nargs="+", default=None,
+                        help=f"LM prefill FLOPs reductions to reach (default: {' '.join(map(str, image.targets))})")
+    parser.add_argument("--routers", nargs="*", default=None,
+                        help=f"baselines at every point (default: {' '.join(image.routers)})")
+    parser.add_argument("--no-distill", action="store_true",
+                        help="MoD fine-tuning without distillation from the dense model (default: distill)")
     parser.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--reuse-dense", action="store_true",
                         help="keep the dense model of an earlier run in --out (same settings); rerun the MoD stages")
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.set_defaults(run=run_recipe_command)
     return parser
 
@@ -307,15 +439,27 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
 def run_recipe_command(args: argparse.Namespace) -> int:
     from vlmod.config import ROUTERS
 
-    names = set(RecipeSettings().to_dict())
-    values = {k: v for k, v in vars(args).items() if k in names}
-    values["routers"] = tuple(values["routers"])
-    bad = [r for r in values["routers"] if r not in ROUTERS or r == "learned"]
-    if bad:
-        raise InputError(f"--routers: unknown baseline(s) {bad}; choose from {[r for r in ROUTERS if r != 'learned']}")
-    run_recipe(args.out, RecipeSettings(**values), progress=not args.no_progress, reuse_dense=args.reuse_dense)
-    print(f"results written to {Path(args.out) / 'results.md'} and results.json")
+    overrides = {name: getattr(args, name) for name, _, _ in _FLAGS if getattr(args, name) is not None}
+    if overrides.get("schedule") == "none":
+        overrides["schedule"] = None
+    elif overrides.get("schedule") not in (None, "cosine"):
+        raise InputError(f"--schedule must be none or cosine, got {overrides['schedule']!r}")
+    if args.targets is not None:
+        overrides["targets"] = tuple(args.targets)
+    if args.routers is not None:
+        bad = [r for r in args.routers if r not in ROUTERS or r in ("learned", "inverted")]
+        if bad:
+            raise InputError(f"--routers: unknown baseline(s) {bad}; choose from random, stride, attention")
+        overrides["routers"] = tuple(args.routers)
+    if args.threads is not None:
+        overrides["threads"] = args.threads
+    if args.no_distill:
+        overrides["distill"] = False
+    settings = RecipeSettings.for_task(args.task, quick=args.quick, **overrides)
+    out = Path(args.out or f"runs/synthetic-{args.task}")
+    run_recipe(out, settings, progress=not args.no_progress, reuse_dense=args.reuse_dense)
+    print(f"results written to {out / 'results.md'}, results.json and frontier.png")
     return 0
 
 
-__all__ = ["RecipeResult", "RecipeSettings", "acceptance", "format_results", "run_recipe"]
+__all__ = ["TASKS", "RecipeResult", "RecipeSettings", "format_results", "run_recipe", "token_counts"]

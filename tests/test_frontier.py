@@ -1,0 +1,283 @@
+"""The frontier's methods on a tiny LLaVA-NeXT-Video: the video path's token types, pre-LLM
+reduction, frame subsampling, set_capacity and capacity-elastic fine-tuning, and their FLOPs."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import vlmod
+from vlmod import tiny
+from vlmod.data import LlavaDataset, collate
+from vlmod.data.synthetic import generate
+from vlmod.data.synthetic_video import TEMPORAL_TYPES, VIDEO_QUESTION_TYPES, video_sample
+from vlmod.eval import evaluate
+from vlmod.flops import DecoderDims, hf_vision_dims, language_prefill_flops, vit_flops
+from vlmod.frontier import TokenCounts, mod_language_flops, solve_capacity, solve_frames, solve_keep
+from vlmod.reduction import PreLLMReduction, reduction_flops
+
+FRAMES = 4
+TOKENS_PER_FRAME = 16  # 32 px, patch 4: an 8 x 8 grid pooled 2 x 2
+
+
+@pytest.fixture(scope="module")
+def video_set(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("clips")
+    generate(out, 0, 0, image_size=32, video=True, num_videos=14, num_val_videos=7, num_frames=FRAMES)
+    return out
+
+
+@pytest.fixture(scope="module")
+def model_and_processor() -> tuple[torch.nn.Module, object]:
+    return tiny.build("llava_next_video", width=64, layers=4, vision_width=32, vision_layers=2, image_size=32,
+                      patch_size=4, vision_feature_layer=-1, seed=1)
+
+
+@pytest.fixture(scope="module")
+def batch(video_set: Path, model_and_processor: tuple) -> dict:
+    _, processor = model_and_processor
+    ds = LlavaDataset(video_set / "video_train.json", processor, num_frames=FRAMES)
+    return ds.collate([ds[i] for i in range(3)])
+
+
+def _prompts(video_set: Path, processor: object, n: int = 3, frames: int = FRAMES) -> dict:
+    ds = LlavaDataset(video_set / "video_train.json", processor, num_frames=frames)
+    return collate([ds.prompt_inputs(i).inputs for i in range(n)], ds.pad_token_id, "left")
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def test_every_clip_question_type_is_drawn_as_its_answer_says() -> None:
+    import numpy as np
+
+    from vlmod.data.scenes import ANSWERS
+
+    for qtype in VIDEO_QUESTION_TYPES:
+        for answer in ANSWERS[qtype]:
+            frames, question, meta = video_sample(np.random.default_rng(7), qtype, answer, 32, 8)
+            assert frames.shape == (8, 32, 32, 3) and meta["type"] == qtype
+            objects = meta["objects"]
+            if qtype == "distinct":
+                assert len(objects) == ANSWERS["distinct"].index(answer) + 1
+                assert len({o["shape"] for o in objects}) == len(objects)
+                spans = sorted(tuple(o["frames"]) for o in objects)
+                assert all(a[1] < b[0] for a, b in zip(spans, spans[1:], strict=False))  # never two at once
+            if qtype == "last":
+                assert max(objects, key=lambda o: o["frames"][0])["shape"] == answer
+            if qtype == "when":
+                thirds = [(0, 2), (3, 4), (5, 7)]  # 8 frames in three near-equal spans
+                assert tuple(objects[0]["frames"]) == thirds[["start", "middle", "end"].index(answer)]
+            if qtype in ("color", "shape"):
+                assert objects[0][qtype] == answer and objects[0]["frames"] == [0, 7]
+    assert set(TEMPORAL_TYPES) < set(VIDEO_QUESTION_TYPES)
+
+
+def test_clip_questions_need_enough_frames() -> None:
+    import numpy as np
+
+    with pytest.raises(ValueError, match="at least 4 frames"):
+        video_sample(np.random.default_rng(0), "distinct", "two", 32, 3)
+
+
+# ----------------------------------------------------------------------------- the video path
+
+
+def test_video_tokens_are_typed_video_and_instruction_tokens_always_run(model_and_processor: tuple, batch: dict) -> None:
+    model, _ = model_and_processor
+    vlmod.apply_mod(model, vlmod.MoDConfig(capacity=0.25, layers=[1, 2, 3], routable=("video",)))
+    try:
+        with torch.no_grad(), vlmod.trace_routing(model) as trace:
+            model(**batch)
+        types = trace.token_types
+        video = batch["input_ids"] == model.config.video_token_id
+        assert torch.equal(types == vlmod.TokenType.VIDEO, video)
+        assert int(video.sum(1)[0]) == FRAMES * TOKENS_PER_FRAME
+        instruction = types == vlmod.TokenType.INSTRUCTION
+        for processed in trace.processed.values():
+            assert bool(processed[instruction].all())
+            assert torch.equal(processed[video].view(3, -1).sum(1), torch.full((3,), math.ceil(0.25 * 64)))
+    finally:
+        vlmod.remove_mod(model)
+
+
+def test_set_capacity_changes_the_budget_of_every_converted_layer(model_and_processor: tuple, batch: dict,
+                                                                  tmp_path: Path) -> None:
+    model, processor = model_and_processor
+    vlmod.apply_mod(model, vlmod.MoDConfig(capacity=0.5, layers=[1, 3], routable=("video",), capacity_schedule="cosine"))
+    try:
+        vlmod.set_capacity(model, 0.125)
+        caps = vlmod.mod_layers(model)
+        assert sum(caps.values()) / len(caps) == pytest.approx(0.125) and caps[("language", 1)] > caps[("language", 3)]
+        with torch.no_grad(), vlmod.trace_routing(model) as trace:
+            model(**batch)
+        video = batch["input_ids"] == model.config.video_token_id
+        for (_, layer), processed in trace.processed.items():
+            assert int(processed[video].view(3, -1).sum(1)[0]) == math.ceil(caps[("language", layer)] * 64)
+        model.save_pretrained(tmp_path)
+        assert json.loads((tmp_path / "config.json").read_text())["vlmod"]["language"]["capacity"] == 0.125
+        with pytest.raises(ValueError, match="capacity must be in"):
+            vlmod.set_capacity(model, 1.5)
+    finally:
+        vlmod.remove_mod(model)
+    with pytest.raises(ValueError, match="no MoD layers"):
+        vlmod.set_capacity(model, 0.5)
+
+
+# ----------------------------------------------------------------------------- pre-LLM reduction
+
+
+def test_reduction_keeping_everything_is_the_model(model_and_processor: tuple, batch: dict, video_set: Path) -> None:
+    model, processor = model_and_processor
+    full = PreLLMReduction(model, 1.0)
+    with torch.no_grad():
+        ref, out = model(**batch).logits, full(**batch).logits
+    real = batch["attention_mask"].bool()
+    assert torch.equal(out[real], ref[real])
+    inputs = _prompts(video_set, processor)
+    new = full.generate(**inputs, max_new_tokens=3, do_sample=False)
+    assert torch.equal(new, model.generate(**inputs, max_new_tokens=3, do_sample=False))
+
+
+def test_reduction_keeps_its_budget_of_the_most_attended_tokens(model_and_processor: tuple, batch: dict) -> None:
+    model, _ = model_and_processor
+    reducer = PreLLMReduction(model, 0.3)
+    with torch.no_grad():
+        reduced = reducer.reduce(batch)
+    video = batch["input_ids"] == model.config.video_token_id
+    text = batch["attention_mask"].bool() & ~video
+    kept = reduced["attention_mask"].sum(1)
+    assert torch.equal(kept, text.sum(1) + math.ceil(0.3 * 64))
+    index, mask = reduced["index"], reduced["attention_mask"].bool()
+    assert torch.equal(reduced["position_ids"][mask], index[mask])  # kept tokens keep their positions
+    for row in range(3):  # text always kept, original order kept, filler (padding) on the left
+        positions = index[row][mask[row]]
+        assert torch.equal(positions, positions.sort().values)
+        assert set(text[row].nonzero().flatten().tolist()) <= set(positions.tolist())
+        assert not bool(mask[row, : int((~mask[row]).sum())].any())
+    # The kept video tokens are the top scores of the tower's CLS attention.
+    features, scores, _ = reducer._media(batch)
+    top = scores.view(3, 64).topk(math.ceil(0.3 * 64), dim=1).indices.sort(dim=1).values
+    first_video = video.float().argmax(1)
+    kept_video = [index[r][mask[r] & video[r].gather(0, index[r])] - first_video[r] for r in range(3)]
+    assert all(torch.equal(kept_video[r], top[r]) for r in range(3))
+
+
+def test_reduction_flops_are_the_kept_tokens(model_and_processor: tuple, batch: dict) -> None:
+    model, _ = model_and_processor
+    reducer = PreLLMReduction(model, 0.25)
+    counted = reduction_flops(reducer, batch)
+    dims = DecoderDims.from_config(model.config.text_config)
+    video = batch["input_ids"] == model.config.video_token_id
+    text = float((batch["attention_mask"].bool() & ~video).sum(1).double().mean())
+    assert counted["language"] == pytest.approx(language_prefill_flops(dims, text + 16))
+    tower = vit_flops(hf_vision_dims(model.config.vision_config)) * FRAMES
+    assert tower < counted["vision"] < tower * 1.05  # the tower plus its CLS scoring
+
+
+def test_reduction_refuses_what_it_cannot_rank() -> None:
+    llava_next, _ = tiny.build("llava_next")
+    with pytest.raises(TypeError, match="pre-LLM reduction supports"):
+        PreLLMReduction(llava_next, 0.5)
+    onevision, _ = tiny.build("llava_onevision")
+    with pytest.raises(TypeError):
+        PreLLMReduction(onevision, 0.5)
+    llava, _ = tiny.build("llava")
+    with pytest.raises(ValueError, match="keep must be in"):
+        PreLLMReduction(llava, 0.0)
+
+
+# ----------------------------------------------------------------------------- frame subsampling
+
+
+def test_frame_subsampling_runs_fewer_frames_and_counts_them(model_and_processor: tuple, video_set: Path) -> None:
+    model, processor = model_and_processor
+    full = evaluate(model, processor, video_set / "video_val.json", batch_size=8, max_new_tokens=1,
+                    progress=False, num_frames=FRAMES)
+    half = evaluate(model, processor, video_set / "video_val.json", batch_size=8, max_new_tokens=1,
+                    progress=False, num_frames=FRAMES // 2)
+    tower = vit_flops(hf_vision_dims(model.config.vision_config))
+    assert full.flops_by_part["vision"] == pytest.approx(FRAMES * tower)
+    assert half.flops_by_part["vision"] == pytest.approx(FRAMES // 2 * tower)
+    dims = DecoderDims.from_config(model.config.text_config)
+    drop = full.flops_by_part["language"] - half.flops_by_part["language"]
+    text = 20.0  # any text length: the difference of two prefills is what the frames add
+    assert drop == pytest.approx(
+        language_prefill_flops(dims, text + FRAMES * TOKENS_PER_FRAME) - language_prefill_flops(
+            dims, text + FRAMES // 2 * TOKENS_PER_FRAME), rel=0.2)
+
+
+# ----------------------------------------------------------------------------- compute points
+
+
+def test_compute_points_reach_their_targets() -> None:
+    dims = DecoderDims(dim=128, layers=8, heads=4, kv_heads=2, head_dim=32, mlp_hidden=256, vocab=200)
+    counts = TokenCounts(text=20, vision=128, frames=8)
+    dense = language_prefill_flops(dims, counts.total)
+    layers = list(range(1, 8))
+    for target in (1.5, 2.0, 3.0):
+        c = solve_capacity(dims, counts, target, layers, None)
+        assert dense / mod_language_flops(dims, counts, c, layers, None) == pytest.approx(target, rel=1e-6)
+        keep = solve_keep(dims, counts, target)
+        assert dense / language_prefill_flops(dims, counts.text + keep * counts.vision) == pytest.approx(target, rel=1e-6)
+    assert solve_frames(dims, counts, 2.0) == 4 and solve_frames(dims, counts, 100.0) == 1
+    assert solve_capacity(dims, counts, 100.0, layers, None) == pytest.approx(1e-4)  # out of reach: the least
+
+
+# ----------------------------------------------------------------------------- capacity-elastic fine-tuning
+
+
+def test_finetune_draws_its_capacity_per_step_and_saves_the_converted_one(
+        model_and_processor: tuple, video_set: Path, tmp_path: Path) -> None:
+    from vlmod.train import TrainConfig, TrainError, train
+
+    model, processor = model_and_processor
+    src = tmp_path / "converted"
+    vlmod.apply_mod(model, vlmod.MoDConfig(capacity=0.5, layers=[1, 2, 3], routable=("video",)))
+    try:
+        model.save_pretrained(src)
+    finally:
+        vlmod.remove_mod(model)
+    processor.save_pretrained(src)
+    seen: list[float] = []
+    original = vlmod.routing.api.set_capacity
+
+    def spy(m: torch.nn.Module, c: float, part: str | None = None) -> torch.nn.Module:
+        seen.append(c)
+        return original(m, c, part)
+
+    cfg = TrainConfig(model=str(src), data=str(video_set / "video_train.json"), output_dir=str(tmp_path / "run"),
+                      trainable="router", lr=1e-3, max_steps=6, batch_size=4, num_frames=FRAMES,
+                      capacities=[0.125, 0.25])
+    import vlmod.routing.api as api
+
+    api.set_capacity = spy
+    try:
+        result = train(cfg, progress=False)
+    finally:
+        api.set_capacity = original
+    assert set(seen[:6]) == {0.125, 0.25} and seen[-1] == 0.5
+    saved = vlmod.load_pretrained(result.model_dir)
+    assert set(vlmod.mod_layers(saved).values()) == {0.5}
+    with pytest.raises(TrainError, match="capacities must be"):
+        TrainConfig(model="m", data="d", output_dir="o", capacities=[0.0])
+
+
+def test_distillation_loss_is_zero_only_for_the_teacher() -> None:
+    from vlmod.distill import distillation_loss
+
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 11)
+    labels = torch.full((2, 5), -100)
+    labels[:, 3:] = 4
+    assert float(distillation_loss(logits, logits, labels)) == pytest.approx(0.0, abs=1e-6)
+    other = logits.clone()
+    other[:, 2:4] += torch.randn(2, 2, 11)
+    assert float(distillation_loss(other, logits, labels)) > 0.01
+    early = logits.clone()
+    early[:, :2] += torch.randn(2, 2, 11)  # positions that predict no answer token do not count
+    assert float(distillation_loss(early, logits, labels)) == pytest.approx(0.0, abs=1e-6)
