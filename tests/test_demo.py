@@ -1,5 +1,5 @@
 """The web demo: API (analysis JSON against the trace, limits, bad input), layouts, examples, CLI,
-and the page itself in headless Chromium."""
+fair latency, hub ids, memory over repeated requests (the page itself: test_demo_browser.py)."""
 
 from __future__ import annotations
 
@@ -31,6 +31,8 @@ from vlmod.demo.app import DemoSetupError, create_app  # noqa: E402
 CAPACITY = 0.5
 LANGUAGE_LAYERS = [1, 2]
 MAX_UPLOAD_MB = 0.2
+# Growth of resident memory allowed over 50 requests of the same image, after 5 warm-up requests.
+MEMORY_BOUND_MIB = 24
 
 
 def _converted(family: str, root: Path) -> tuple[Path, Path]:
@@ -76,6 +78,28 @@ def _png(size: tuple[int, int] = (48, 40), seed: int = 0) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)).save(buf, format="PNG")
     return buf.getvalue()
+
+
+def _photo(size: tuple[int, int], seed: int = 0) -> bytes:
+    """A photo-sized JPEG (smooth gradient, a few discs) small enough for the fixture's upload cap."""
+    from PIL import ImageDraw
+
+    w, h = size
+    yy, xx = np.mgrid[0:h, 0:w]
+    img = Image.fromarray(np.stack([xx * 255 // w, yy * 255 // h, np.full_like(xx, 90)], -1).astype(np.uint8))
+    rng, draw = np.random.default_rng(seed), ImageDraw.Draw(img)
+    for _ in range(6):
+        x, y = int(rng.integers(0, w - 60)), int(rng.integers(0, h - 60))
+        draw.ellipse((x, y, x + 60, y + 60), fill=tuple(int(c) for c in rng.integers(0, 256, 3)))
+    buf = io.BytesIO()
+    img.save(buf, format="JPEG", quality=80)
+    return buf.getvalue()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _example_bytes(name: str) -> bytes:
@@ -193,6 +217,9 @@ def test_video_model_gets_video_tokens_per_frame(tmp_path: Path) -> None:
         (view,) = m["views"]
         assert (view["rows"], view["cols"]) == (2, 2)  # 4 x 4 patches pooled by stride 2
         assert m["vision"]["rows"] == 4
+        # Each frame as the video processor took it in: a 32 x 32 crop, one token per 16 x 16 px.
+        assert m["model_size"] == {"width": 32, "height": 32}
+        assert m["crop"]["width"] == m["crop"]["height"] == min(m["original"].values())
     assert body["stats"]["vision_tokens"] == 16
 
 
@@ -434,87 +461,132 @@ def test_bundled_examples_regenerate(tmp_path: Path) -> None:
         assert path.stat().st_size < 64_000
 
 
-# ----------------------------------------------------------------------------- browser
-
-CHROMIUM = "/usr/bin/chromium"
+# ----------------------------------------------------------------------------- what the model saw, timing
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def test_real_size_photo_reports_the_crop_and_resolution_the_model_saw(client: TestClient) -> None:
+    photo = _photo((1024, 768), seed=5)
+    assert len(photo) < MAX_UPLOAD_MB * 2**20
+    r = _post(client, file=("photo.jpg", photo, "image/jpeg"))
+    assert r.status_code == 200, r.text
+    (item,) = r.json()["media"]
+    # The CLIP processor resizes the short side to 32 and centre-crops 32x32: the middle 768x768.
+    assert item["original"] == {"width": 1024, "height": 768}
+    assert item["crop"] == {"x": 128, "y": 0, "width": 768, "height": 768}
+    assert item["model_size"] == {"width": 32, "height": 32}
+    assert (item["width"], item["height"]) == (768, 768)
+
+    def decoded(url: str) -> Image.Image:
+        import base64
+
+        return Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1])))
+
+    assert decoded(item["model_src"]).size == (32, 32)
+    assert decoded(item["src"]).size == (analysis.PREVIEW_SIDE, analysis.PREVIEW_SIDE)
 
 
-def test_page_in_headless_chromium(checkpoints: tuple[Path, Path], tmp_path: Path) -> None:
-    if not Path(CHROMIUM).exists():
-        pytest.skip(f"{CHROMIUM} is missing (apt-get install chromium)")
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        pytest.skip("playwright is not installed (pip install playwright)")
-    import uvicorn
+def test_seen_box_follows_the_processor(client: TestClient) -> None:
+    processor = client.app.state.loaded.processor.image_processor
+    assert analysis.seen_box((1024, 768), processor) == (128, 0, 896, 768)
+    assert analysis.seen_box((300, 900), processor) == (0, 300, 300, 600)
+    assert analysis.seen_box((64, 64), processor) == (0, 0, 64, 64)
 
-    mod, dense = checkpoints
-    app = create_app(mod, dense, max_new_tokens=4, num_frames=4)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=_free_port(), log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert server.started, "uvicorn did not start"
-    url = f"http://127.0.0.1:{server.config.port}/"
-    image = tmp_path / "upload.png"
-    image.write_bytes(_png((64, 64), seed=3))
-    errors: list[str] = []
-    try:
-        with sync_playwright() as p:
-            browser = p.chromium.launch(
-                executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"]
-            )
-            try:
-                page = browser.new_page(viewport={"width": 1280, "height": 900})
-                page.on("pageerror", lambda e: errors.append(str(e)))
-                page.goto(url)
-                page.wait_for_selector(".example")  # examples loaded from the API
-                page.set_input_files("#file", str(image))
-                page.fill("#prompt", "what color is the circle ?")
-                page.click("#run")
-                page.wait_for_selector("#stage[data-drawn='1']", timeout=60_000)
-                page.wait_for_selector("#stats[data-ready='1']")
-                pixels = page.evaluate(
-                    """() => {
-                        const c = document.getElementById('stage');
-                        const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
-                        let opaque = 0; const colours = new Set();
-                        for (let i = 0; i < d.length; i += 4 * 7) {
-                            if (d[i + 3] > 0) opaque++;
-                            colours.add((d[i] >> 4) + ',' + (d[i + 1] >> 4) + ',' + (d[i + 2] >> 4));
-                        }
-                        return {width: c.width, height: c.height, opaque, colours: colours.size};
-                    }"""
-                )
-                assert pixels["width"] > 100 and pixels["height"] > 100
-                assert pixels["opaque"] > 0.9 * pixels["width"] * pixels["height"] / 7
-                assert pixels["colours"] > 20  # the picture under a multi-colour overlay, not a flat fill
-                stats = page.inner_text("#stats")
-                assert "FLOPS SAVED" in stats.upper() and "%" in stats
-                assert page.inner_text("#answer").strip()
-                # One layer's mask through the slider.
-                page.fill("#layer", "1")
-                page.dispatch_event("#layer", "input")
-                assert "Layer 1" in page.inner_text("#layer-label")
-                page.screenshot(path=str(tmp_path / "demo-desktop.png"), full_page=True)
-                # Phone width: nothing wider than the screen.
-                page.set_viewport_size({"width": 390, "height": 844})
-                page.wait_for_timeout(200)
-                assert page.evaluate("document.documentElement.scrollWidth") <= 390
-                page.screenshot(path=str(tmp_path / "demo-phone.png"), full_page=True)
-            finally:
-                browser.close()
-    finally:
-        server.should_exit = True
-        thread.join(10)
-    assert not errors, errors
-    assert (tmp_path / "demo-desktop.png").stat().st_size > 10_000
-    print(f"screenshots: {tmp_path / 'demo-desktop.png'} {tmp_path / 'demo-phone.png'}")
+
+def test_health_says_what_the_model_knows(client: TestClient) -> None:
+    model = client.get("/api/health").json()["model"]
+    assert model["warm"] is True  # the fixture's app times (one run each), so it warmed up at start
+    about = model["about"]
+    assert about["embedded"] is False and "32x32 pixels" in about["summary"]
+    embedded = examples.about_model(client.app.state.loaded, embedded=True)
+    assert "synthetic" in embedded["summary"] and "--model" in embedded["knows"]
+    assert "nonsense" in embedded["knows"]
+
+
+def test_measure_latency_is_interleaved_untraced_and_median(client: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    loaded = client.app.state.loaded
+    calls: list[tuple[str, bool]] = []
+    times = {"mod": iter([0.30, 0.10, 0.20]), "dense": iter([0.50, 0.40, 0.90])}
+
+    def fake(model, inputs, processor, max_new_tokens, exact=False):
+        name = "mod" if model is loaded.model else "dense"
+        calls.append((name, exact))
+        return "x", next(times[name])
+
+    monkeypatch.setattr(analysis, "_generate", fake)
+    timing = analysis.measure_latency(loaded, {}, max_new_tokens=4, runs=3)
+    assert [c[0] for c in calls] == ["mod", "dense", "dense", "mod", "mod", "dense"]  # alternating order
+    assert all(exact for _, exact in calls)  # the same number of new tokens for both
+    assert timing["mod_s"] == pytest.approx(0.20) and timing["dense_s"] == pytest.approx(0.50)
+    assert timing["speedup"] == pytest.approx(2.5) and timing["samples"]["mod"] == [0.30, 0.10, 0.20]
+    assert "interleaved" in timing["method"] and "median" in timing["method"]
+    assert analysis.measure_latency(loaded, {}, 4, runs=0) is None
+    monkeypatch.setattr(loaded, "warm_up_s", None)
+    assert analysis.measure_latency(loaded, {}, 4, runs=3) is None  # not warmed up: nothing fair to show
+
+
+def test_no_timing_runs_means_no_latency_and_no_warm_up(checkpoints: tuple[Path, Path]) -> None:
+    client = TestClient(create_app(*checkpoints, max_new_tokens=2, timing_runs=0))
+    assert client.get("/api/health").json()["model"]["warm"] is False
+    body = _post(client, file=("x.png", _png(), "image/png")).json()
+    assert body["stats"]["latency"] is None and body["stats"]["dense"]["answer"] is not None
+
+
+# ----------------------------------------------------------------------------- checkpoints: paths and hub ids
+
+
+def test_dense_checkpoint_may_be_a_local_path_or_a_hub_id(tmp_path: Path, checkpoints: tuple[Path, Path]) -> None:
+    from vlmod.demo.checkpoints import resolve_checkpoint
+    from vlmod.errors import InputError
+
+    assert resolve_checkpoint(checkpoints[1], "--dense") == checkpoints[1]
+    with pytest.raises(InputError, match="no config.json"):
+        resolve_checkpoint(tmp_path, "--dense")
+    with pytest.raises(InputError, match="no such directory"):
+        resolve_checkpoint("./missing/dir/x", "--dense")
+    # Offline (conftest sets HF_HUB_OFFLINE=1): a hub id not in the cache says what to do at once.
+    with pytest.raises(InputError, match="not in the local Hugging Face cache"):
+        resolve_checkpoint("llava-hf/llava-1.5-7b-hf", "--dense")
+
+
+def test_unreachable_hub_fails_fast_with_one_line(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    from vlmod.cli import main
+
+    closed, free = _free_port(), _free_port()  # nobody listens on `closed`: the hub is unreachable
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{closed}")
+    start = time.monotonic()
+    assert main(["demo", "--dense", "llava-hf/llava-1.5-7b-hf", "--port", str(free)]) == 2
+    assert time.monotonic() - start < 10
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err
+    assert "HF_HUB_OFFLINE=1" in err and "local checkpoint directory" in err
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
+def test_memory_stays_bounded_over_50_requests_of_the_same_image(client: TestClient) -> None:
+    """Resident memory rises over the first requests (allocator pools, lazy initialisation) and
+    then plateaus: nothing a request leaves behind accumulates. Measured in this process, which
+    serves the app through the test client."""
+    if not Path("/proc/self/status").exists():
+        pytest.skip("needs /proc to read resident memory")
+    photo = _photo((640, 480), seed=7)
+    for _ in range(5):  # first-use growth, not a leak
+        assert _post(client, file=("x.jpg", photo, "image/jpeg")).status_code == 200
+    base = _rss_mib()
+    peak = base
+    for _ in range(50):
+        assert _post(client, file=("x.jpg", photo, "image/jpeg")).status_code == 200
+        peak = max(peak, _rss_mib())
+    print(f"resident memory: {base:.1f} MiB after 5 requests, peak {peak:.1f} MiB over 50 more")
+    assert peak - base < MEMORY_BOUND_MIB, f"resident memory grew {peak - base:.1f} MiB over 50 requests"
