@@ -504,3 +504,13 @@ def test_one_step_lowers_the_loss(data_dir):
     with torch.no_grad():
         after = model(**batch).loss
     assert after < loss.detach()
+
+
+def test_make_data_refuses_a_file_as_its_folder(tmp_path, capsys):
+    import argparse
+
+    target = tmp_path / "a-file"
+    target.write_text("keep me")
+    parser = syn.add_make_data_arguments(argparse.ArgumentParser())
+    assert syn.run_make_data(parser.parse_args(["--out", str(target), "--train", "1", "--val", "1"])) == 2
+    assert "is a file" in capsys.readouterr().err and target.read_text() == "keep me"

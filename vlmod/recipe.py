@@ -456,7 +456,9 @@ def run_recipe_command(args: argparse.Namespace) -> int:
     if args.no_distill:
         overrides["distill"] = False
     settings = RecipeSettings.for_task(args.task, quick=args.quick, **overrides)
-    out = Path(args.out or f"runs/synthetic-{args.task}")
+    from vlmod.paths import check_output_dir
+
+    out = check_output_dir(args.out or f"runs/synthetic-{args.task}", "--out")
     run_recipe(out, settings, progress=not args.no_progress, reuse_dense=args.reuse_dense)
     print(f"results written to {out / 'results.md'}, results.json and frontier.png")
     return 0

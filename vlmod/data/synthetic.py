@@ -395,7 +395,10 @@ def add_make_data_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
 def run_make_data(args: argparse.Namespace) -> int:
     """Generate the set from parsed flags and print what was written; bad values are one
     `error:` line and exit status 2."""
+    from vlmod.paths import check_output_dir
+
     try:
+        check_output_dir(args.out, "--out")
         summary = generate(
             args.out,
             args.train,
