@@ -52,7 +52,8 @@ def test_bench_llava_measures_a_converted_checkpoint_as_saved(converted_checkpoi
         assert len(steps) == 2 and all(len(call) == 3 for call in steps)
         assert all(s > 0 for call in steps for s in call)
         used = result["timed_repeats"]["generate"]
-        assert r["decode_step_s"] == pytest.approx(statistics.median(s for i in used for s in steps[i]), rel=1e-4)
+        # The samples are stored rounded to the microsecond: the median of them is within 1 us.
+        assert r["decode_step_s"] == pytest.approx(statistics.median(s for i in used for s in steps[i]), abs=1e-6)
         assert math.isfinite(r["decode_tokens_per_s"]) and r["decode_tokens_per_s"] > 0
         assert r["decode_tokens_per_s"] == pytest.approx(1 / r["decode_step_s"])
         assert r["peak_memory_bytes"] > 0
