@@ -96,11 +96,15 @@ def solve_frames(dims: DecoderDims, counts: TokenCounts, reduction: float) -> in
     return min(range(1, counts.frames + 1), key=cost)
 
 
-def row(method: str, target: float | None, setting: str, report: Any, extra_language_flops: float = 0.0) -> dict[str, Any]:
-    """One frontier row from an `EvalReport` (plus a method overhead the report did not count)."""
+def row(method: str, target: float | None, setting: str, report: Any, extra_language_flops: float = 0.0,
+        dense_language: float | None = None) -> dict[str, Any]:
+    """One frontier row from an `EvalReport` (plus a method overhead the report did not count).
+    `dense_language`: the dense model's LM FLOPs on the full inputs, the reduction's reference
+    (default: the report's own dense count, which for frame subsampling is on fewer frames)."""
     parts = dict(report.flops_by_part)
     dense = dict(report.dense_flops_by_part)
     parts["language"] = parts.get("language", 0.0) + extra_language_flops
+    reference = dense["language"] if dense_language is None else dense_language
     return {
         "method": method,
         "label": METHOD_LABELS.get(method, method),
@@ -113,7 +117,7 @@ def row(method: str, target: float | None, setting: str, report: Any, extra_lang
         "gflops": {k: v / 1e9 for k, v in parts.items()},
         "dense_gflops": {k: v / 1e9 for k, v in dense.items()},
         "gflops_total": sum(parts.values()) / 1e9,
-        "language_reduction": dense["language"] / parts["language"] if parts.get("language") else 1.0,
+        "language_reduction": reference / parts["language"] if parts.get("language") else 1.0,
         "samples": len(report.samples),
     }
 

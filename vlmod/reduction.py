@@ -43,6 +43,8 @@ def _check(model: nn.Module) -> None:
         )
     if getattr(model.config.vision_config, "model_type", "") != "clip_vision_model":
         raise ValueError("pre-LLM reduction ranks patches by the attention of the tower's CLS token; this tower has none")
+    if model.config.vision_feature_select_strategy != "default":
+        raise ValueError("pre-LLM reduction needs vision_feature_select_strategy='default' (the CLS token dropped)")
     if not isinstance(model.config.vision_feature_layer, int):
         raise ValueError("pre-LLM reduction needs one vision_feature_layer (the model concatenates several)")
 
@@ -106,8 +108,6 @@ class PreLLMReduction(nn.Module):
             features = torch.cat([f.reshape(-1, f.shape[-1]) for f in features])
         features = features.reshape(-1, features.shape[-1])
         scores = self._cls_attention(block, captured[-1])  # [frames, patches]
-        if strategy == "full":
-            raise ValueError("pre-LLM reduction needs vision_feature_select_strategy='default' (CLS dropped)")
         if pool is not None:
             side = int(scores.shape[1] ** 0.5)
             grid = scores.view(-1, 1, side, side)
