@@ -227,15 +227,9 @@ def bench_generation(
     result: dict[str, Any] = {}
     for name in models:
         result[name] = {
-            "prefill_s": prefill[name].median(prefill_judged.clean_repeats),
+            **model_figures(prefill[name].median(prefill_judged.clean_repeats), decode[name], kv[name], peaks[name],
+                            flops[name]),
             "generate_s": timings[name].median(decode_judged.clean_repeats),
-            **decode[name],
-            "kv_cache_bytes": kv[name],
-            "peak_memory_bytes": peaks[name],
-            "flops": flops[name]["total"],
-            "flops_vision": flops[name]["vision"],
-            "flops_language": flops[name]["language"],
-            "flops_causal_attention": flops[name]["total_causal"],
             "prefill_samples_s": prefill[name].wall_s,
         }
     result.update(speedups(result, flops, kv))
@@ -248,6 +242,22 @@ def bench_generation(
         warmup=warmup,
     )
     return result
+
+
+def model_figures(
+    prefill_s: float, decode: Mapping[str, Any], kv_bytes: int, peak_bytes: int | None, flops: Mapping[str, float]
+) -> dict[str, Any]:
+    """The figures of one model (dense or MoD) that every generation benchmark reports."""
+    return {
+        "prefill_s": prefill_s,
+        **decode,
+        "kv_cache_bytes": kv_bytes,
+        "peak_memory_bytes": peak_bytes,
+        "flops": flops["total"],
+        "flops_vision": flops["vision"],
+        "flops_language": flops["language"],
+        "flops_causal_attention": flops["total_causal"],
+    }
 
 
 def speedups(
