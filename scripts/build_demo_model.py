@@ -19,6 +19,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from vlmod.argtypes import HelpFormatter
 from vlmod.demo.app import DEFAULT_DENSE_DIR, DEFAULT_MODEL_DIR
 from vlmod.recipe import RecipeSettings, run_recipe
 
@@ -41,7 +42,9 @@ def install(source: Path, target: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="build_demo_model.py", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="build_demo_model.py", description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter
+    )
     parser.add_argument("--from", dest="run", help="a finished recipe run (default: run the recipe into --out)")
     parser.add_argument("--out", default="runs/synthetic-image",
                         help="where to run the recipe (default: runs/synthetic-image)")

@@ -493,5 +493,5 @@ def test_script_bad_input_is_one_error_line(tmp_path, checkpoint, capsys, monkey
         str(tmp_path / "p.png"),
     ]
     assert script.main(argv) == 2
-    assert "--plot needs matplotlib" in capsys.readouterr().err
+    assert "--plots needs matplotlib" in capsys.readouterr().err
     assert not (tmp_path / "r.json").exists()

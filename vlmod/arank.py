@@ -48,7 +48,7 @@ import torch
 from torch import Tensor, nn
 
 from vlmod.argtypes import device as device_type
-from vlmod.argtypes import fraction, non_negative_int, positive_int
+from vlmod.argtypes import fraction, non_negative_int, option, positive_int
 from vlmod.config import MoDConfig
 from vlmod.data.llava_format import IMAGE_EXTENSIONS, DataError, list_images, load_image, load_records
 
@@ -781,10 +781,10 @@ def add_rank_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument(
         "--batch-size", type=positive_int, default=4, help="samples per forward (default: 4)"
     )
-    parser.add_argument("--out", default="ranks.json", help="where to write the ranks (default: ranks.json)")
-    parser.add_argument(
-        "--plot", default=None, metavar="PNG", help="also draw the ranks per layer (needs matplotlib)"
-    )
+    option(parser, "--json", aliases=("--out",), dest="out", default="ranks.json", metavar="PATH",
+           help="where to write the ranks (default: ranks.json)")
+    option(parser, "--plots", aliases=("--plot",), dest="plot", default=None, metavar="PATH",
+           help="also draw the ranks per layer: a folder (ranks.png goes there) or a .png file (needs matplotlib)")
     parser.add_argument(
         "--part",
         choices=("language", "vision"),
@@ -874,15 +874,17 @@ def _run_rank(args: argparse.Namespace) -> int:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            raise RankInputError("--plot needs matplotlib: pip install matplotlib") from None
+            raise RankInputError("--plots needs matplotlib: pip install matplotlib") from None
     model_path = Path(args.model).expanduser()
     if str(args.model).startswith((".", "/", "~")) and not model_path.exists():
         raise RankInputError(f"model path {args.model} does not exist")
     from vlmod.paths import check_output_file
 
-    check_output_file(args.out, "--out", inputs=[args.model, args.data], error=RankInputError)
+    check_output_file(args.out, "--json", inputs=[args.model, args.data], error=RankInputError)
+    if args.plot and not str(args.plot).lower().endswith(".png"):
+        args.plot = str(Path(args.plot) / "ranks.png")  # --plots DIR, as audit's
     if args.plot:
-        check_output_file(args.plot, "--plot", inputs=[args.model, args.data], error=RankInputError)
+        check_output_file(args.plot, "--plots", inputs=[args.model, args.data], error=RankInputError)
     samples = calibration_samples(args.data, image_root=args.image_root, prompt=args.prompt)
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))

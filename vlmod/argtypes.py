@@ -4,6 +4,7 @@ mistake everywhere."""
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -106,3 +107,53 @@ def read_yaml_mapping(path: str | Path, error: type[Exception]) -> dict[str, Any
     if not isinstance(data, dict):
         raise error(f"{path} must hold a mapping of settings, got {type(data).__name__}")
     return data
+
+
+# ----------------------------------------------------------------------------- one vocabulary, defaults shown
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """The help of every vlmod command: each option shows its default (`(default: ...)` is added
+    unless the help already says it; `not set` for None), and the old spellings kept as hidden
+    aliases (`option(..., aliases=...)`) are not listed."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if (
+            text == argparse.SUPPRESS or "default" in text or not action.option_strings
+            or action.default is argparse.SUPPRESS or action.nargs == 0 or action.required
+        ):
+            return text
+        shown = "not set" if action.default is None else "%(default)s"
+        if isinstance(action.default, (list, tuple)):
+            shown = " ".join(map(str, action.default)) or "none"
+        return f"{text} (default: {shown})".lstrip()
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if not action.help and action.option_strings:  # argparse shows nothing for an option without help
+            action = copy.copy(action)
+            action.help = self._get_help_string(action)
+        return super()._format_action(action)
+
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        hidden = getattr(action, "hidden_aliases", ())
+        if not hidden:
+            return super()._format_action_invocation(action)
+        shown = argparse.Action(
+            [s for s in action.option_strings if s not in hidden], action.dest, nargs=action.nargs,
+            choices=action.choices, metavar=action.metavar,
+        )
+        return super()._format_action_invocation(shown)
+
+
+def option(
+    parser: argparse.ArgumentParser | Any, name: str, *, aliases: tuple[str, ...] = (), **kwargs: Any
+) -> argparse.Action:
+    """`parser.add_argument(name, *aliases, **kwargs)` with `aliases` (old spellings that still
+    work) left out of `--help` by `HelpFormatter`. The destination is named after `name` unless
+    `dest` is given."""
+    if "dest" in kwargs and not {"action", "choices", "metavar"} & set(kwargs):
+        kwargs["metavar"] = name.lstrip("-").upper().replace("-", "_")  # named after the flag shown, not dest
+    action = parser.add_argument(name, *aliases, **kwargs)
+    action.hidden_aliases = frozenset(aliases)  # type: ignore[attr-defined]
+    return action

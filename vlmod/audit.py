@@ -475,7 +475,7 @@ class AuditInputError(InputError):
 
 def add_audit_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The flags of `vlmod audit` and `scripts/audit_routing.py`; sets `run=run_audit`."""
-    from vlmod.argtypes import device, positive_int
+    from vlmod.argtypes import device, option, positive_int
 
     parser.add_argument("--model", required=True, help="converted checkpoint directory (vlmod convert / finetune)")
     parser.add_argument("--data", required=True, help="LLaVA-format eval JSON (e.g. the synthetic set's val.json)")
@@ -485,7 +485,8 @@ def add_audit_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     )
     parser.add_argument("--batch-size", type=positive_int, default=8, help="samples per batch (default: 8)")
     parser.add_argument("--max-new-tokens", type=positive_int, default=16, help="answer length (default: 16)")
-    parser.add_argument("--limit", type=positive_int, default=None, help="audit the first N samples only")
+    option(parser, "--num-samples", aliases=("--limit",), dest="limit", type=positive_int, default=None,
+           help="audit the first N samples only (default: all)")
     parser.add_argument(
         "--seed", type=int, default=0,
         help="torch.manual_seed before each router's evaluation and trace: seeds the random router unless "

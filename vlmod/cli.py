@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from vlmod.argtypes import device, non_negative_int, port, positive_float, positive_int
+from vlmod.argtypes import HelpFormatter, device, non_negative_int, option, port, positive_float, positive_int
 from vlmod.bench import (
     LLAVA_PRESETS,
     VIDEO_PRESETS,
@@ -33,8 +33,13 @@ from vlmod.bench import (
 from vlmod.config import ROUTERS
 from vlmod.errors import InputError
 from vlmod.fileio import write_json
+from vlmod.paths import check_model_arg
 
 EXIT_USAGE = 2
+# Arguments that name a checkpoint (a local directory or a hub id), as (dest, flag): a command sets
+# `model_flags` and `main` checks them before any work, so that a hub id off the network is one
+# line within seconds (vlmod.paths.check_model_arg), not transformers' retry loop.
+MODEL_FLAG = (("model", "--model"),)
 
 SubParsers = Any  # argparse._SubParsersAction, which argparse does not export
 
@@ -44,7 +49,13 @@ class UsageError(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, but a parse error is one `error: ...` line (argparse prints usage + message)."""
+    """argparse, but a parse error is one `error: ...` line (argparse prints usage + message), and
+    every `--help` shows the defaults and hides the old spellings (`vlmod.argtypes.HelpFormatter`).
+    Subcommand parsers are of this class too."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         raise UsageError(f"{message} (see {self.prog} --help)")
@@ -91,7 +102,8 @@ def add_bench_vit_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--source", choices=("timm", "open_clip"), default="timm", help="model library (default: timm)"
     )
-    p.add_argument("--batch", type=positive_int, default=8, help="images per forward (default: 8)")
+    option(p, "--batch-size", aliases=("--batch",), dest="batch", type=positive_int, default=8,
+           help="images per forward (default: 8)")
     p.add_argument(
         "--capacity",
         type=_capacity,
@@ -178,10 +190,11 @@ def add_bench_llava_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
         "--layers", type=_layers, default=None,
         help="every_other | all | comma list (default: every_other; a converted --model is measured with its own)",
     )
-    p.add_argument("--batch", type=positive_int, default=1, help="prompts per batch (default: 1)")
+    option(p, "--batch-size", aliases=("--batch",), dest="batch", type=positive_int, default=1,
+           help="prompts per batch (default: 1)")
     p.add_argument("--new-tokens", type=positive_int, default=16, help="tokens to generate (default: 16)")
     _add_timing_arguments(p, warmup=1, repeats=5)
-    p.set_defaults(run=run_bench_llava)
+    p.set_defaults(run=run_bench_llava, model_flags=MODEL_FLAG)
     return p
 
 
@@ -216,7 +229,8 @@ def add_bench_video_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--video", default=None, help="video file (default: a generated 3 s clip)")
     p.add_argument("--frames", type=positive_int, default=8, help="frames sampled uniformly from the clip (default: 8)")
-    p.add_argument("--batch", type=positive_int, default=1, help="clips per batch (default: 1)")
+    option(p, "--batch-size", aliases=("--batch",), dest="batch", type=positive_int, default=1,
+           help="clips per batch (default: 1)")
     p.add_argument(
         "--capacity", type=_capacity, default=None,
         help="fraction of video tokens per MoD layer (default: 0.5; a converted --model is measured with its own)",
@@ -228,7 +242,7 @@ def add_bench_video_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--new-tokens", type=positive_int, default=16, help="tokens to generate (default: 16)")
     _add_timing_arguments(p, warmup=1, repeats=5)
-    p.set_defaults(run=run_bench_video)
+    p.set_defaults(run=run_bench_video, model_flags=MODEL_FLAG)
     return p
 
 
@@ -283,7 +297,8 @@ def add_convert_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
     p.add_argument("--calib-data", default=None, help="LLaVA-format JSON or image folder to rank layers on, for --layers arank:N")
     p.add_argument("--calib-image-root", default=None, help="image folder of --calib-data JSON")
     p.add_argument("--calib-prompt", default="describe the image .", help="prompt for an image-folder --calib-data")
-    p.add_argument("--calib-samples", type=positive_int, default=64, help="calibration samples (default: 64)")
+    option(p, "--num-samples", aliases=("--calib-samples",), dest="calib_samples", type=positive_int, default=64,
+           help="calibration samples for --layers arank:N with --calib-data (default: 64)")
     p.add_argument("--routable", default=None, help="comma list of routable token types (default: image,video)")
     p.add_argument(
         "--router", choices=ROUTERS, default=None,
@@ -294,7 +309,7 @@ def add_convert_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
     p.add_argument("--vision-layers", type=_layers, default=None, help="vision tower layers (default: every_other)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None, help="weights dtype (default: float32)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
-    p.set_defaults(run=run_convert)
+    p.set_defaults(run=run_convert, model_flags=MODEL_FLAG)
     return p
 
 
@@ -368,7 +383,7 @@ def add_rank_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
         description="Calibrate a model on real inputs and rank its layers by attention-map rank: low rank "
         "means redundant, a good layer to convert.",
     )
-    p.set_defaults(run=run_rank)
+    p.set_defaults(run=run_rank, model_flags=MODEL_FLAG)
     return p
 
 
@@ -400,24 +415,28 @@ def add_finetune_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
     """`vlmod finetune`: fine-tune a (converted) LLaVA model; also `accelerate launch scripts/finetune.py`."""
     from vlmod.train import add_finetune_arguments
 
-    return _module_command(
+    p = _module_command(
         subparsers, "finetune", add_finetune_arguments,
         help="fine-tune a (MoD-converted) LLaVA model on LLaVA-format data",
         description="Fine-tune with Accelerate: routers only, routers + language model, LoRA, or full. "
         "Settings from --config YAML (configs/finetune/), flags override them.",
     )
+    p.set_defaults(model_flags=MODEL_FLAG)
+    return p
 
 
 def add_eval_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
     """`vlmod eval`: accuracy against compute, optionally side by side with a dense model."""
     from vlmod.eval import add_evaluate_arguments
 
-    return _module_command(
+    p = _module_command(
         subparsers, "eval", add_evaluate_arguments,
         help="evaluate accuracy, answer loss, processed fraction, FLOPs and latency on LLaVA-format QA data",
         description="Evaluate a (converted) LLaVA model; --compare puts a second model (the dense original) "
         "side by side in one table.",
     )
+    p.set_defaults(model_flags=(("model", "--model"), ("compare", "--compare")))
+    return p
 
 
 def add_recipe_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
@@ -474,7 +493,7 @@ def add_demo_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
     p.add_argument("--device", type=device, default="cpu", help="torch device, e.g. cpu or cuda (default: cpu)")
     p.add_argument("--timing-runs", type=non_negative_int, default=3, help="timed generate runs per model per "
                    "request, MoD and dense interleaved, median shown; 0 = no latency (default: 3)")
-    p.set_defaults(run=run_demo)
+    p.set_defaults(run=run_demo, model_flags=(("model", "--model"), ("dense", "--dense")))
     return p
 
 
@@ -501,13 +520,15 @@ def add_audit_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
     """`vlmod audit`: learned routing against counterfactual and training-free routers."""
     from vlmod.audit import add_audit_arguments
 
-    return _module_command(
+    p = _module_command(
         subparsers, "audit", add_audit_arguments,
         help="compare the learned router with inverted / random / stride / attention routing",
         description="With the weights fixed, swap the router of a converted model at inference and report "
         "accuracy and answer loss for each, the cross-layer Jaccard agreement of processed tokens, compute "
         "by token position and type, PNG plots and a written verdict.",
     )
+    p.set_defaults(model_flags=MODEL_FLAG)
+    return p
 
 
 # ----------------------------------------------------------------------------- main
@@ -532,6 +553,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
+        for dest, flag in getattr(args, "model_flags", ()):
+            check_model_arg(getattr(args, dest, None), flag)
         return args.run(args)
     except (UsageError, InputError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -347,7 +347,7 @@ def load_model(path: str, device: str = "cpu", dtype: str = "float32") -> tuple[
 
 def add_evaluate_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Flags of `scripts/evaluate.py` and `vlmod eval`."""
-    from vlmod.argtypes import device, positive_int
+    from vlmod.argtypes import device, option, positive_int
 
     parser.add_argument("--model", required=True, help="checkpoint directory or hub id (dense or converted)")
     parser.add_argument("--data", required=True, help="LLaVA-format JSON with the reference answers")
@@ -357,7 +357,8 @@ def add_evaluate_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     parser.add_argument("--compare-name", help="label of --compare (default: its folder name)")
     parser.add_argument("--batch-size", type=positive_int, default=8)
     parser.add_argument("--max-new-tokens", type=positive_int, default=16)
-    parser.add_argument("--limit", type=positive_int, help="evaluate the first N records only")
+    option(parser, "--num-samples", aliases=("--limit",), dest="limit", type=positive_int, default=None,
+           help="evaluate the first N records only (default: all)")
     parser.add_argument(
         "--device", type=device, default=None, help="torch device (default: cuda if available, else cpu)"
     )

@@ -143,6 +143,11 @@ def load_config(path: str | Path, **kwargs: Any) -> Any:
         raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model directory")
     if not local.exists() and (str(path).startswith((".", "/", "~")) or str(path).count("/") > 1):
         raise FileNotFoundError(f"model path {path} does not exist")
+    if not local.exists() and not kwargs.get("local_files_only"):
+        from vlmod.paths import check_hub_id, looks_like_hub_id
+
+        if looks_like_hub_id(path):  # off the network: one line within seconds, not a retry loop
+            check_hub_id(str(path), error=CheckpointError)
     if local.is_dir():
         try:
             json.loads((local / "config.json").read_text(encoding="utf-8"))

@@ -1,15 +1,36 @@
-"""Output paths checked before any work starts: a run that trains for an hour and then finds its
-output is a file, or a folder it cannot write, has lost the hour. Every command checks its outputs
-with these before it loads a model; nothing is created here (a refused command leaves no trace).
+"""Paths checked before any work starts.
+
+Outputs: a run that trains for an hour and then finds its output is a file, or a folder it cannot
+write, has lost the hour. Every command checks its outputs with these before it loads a model;
+nothing is created here (a refused command leaves no trace).
+
+Inputs: a model is a local checkpoint directory or a Hugging Face hub id. Off the network,
+transformers retries the hub for about 30 seconds before it gives up (and then falls back to the
+cache), so a hub id is checked first (`check_hub_id`): the hub is probed once, briefly, and an
+unreachable hub (or HF_HUB_OFFLINE=1 with the id not in the local cache) is one line that says
+what to do. Online, the id is handed to `from_pretrained` unchanged. Every loader goes through
+here: the command line checks its model flags before any work (`vlmod.cli`), and
+`vlmod.hf.load_config`, which every checkpoint load starts with, checks again.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import socket
+import threading
+import time
 from collections.abc import Iterable
 from pathlib import Path
+from urllib.parse import urlparse
 
 from vlmod.errors import InputError
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+PROBE_TIMEOUT_S = 3.0
+_PROBE_TTL_S = 30.0
+_TRUE = {"1", "on", "yes", "true"}
+_probes: dict[str, tuple[float, bool]] = {}
 
 
 def _existing_ancestor(path: Path) -> Path:
@@ -93,4 +114,105 @@ def check_output_dir(
     return p
 
 
-__all__ = ["check_output_dir", "check_output_file"]
+# ----------------------------------------------------------------------------- hub ids
+
+
+def hub_offline() -> bool:
+    """Whether HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) asks for the local cache only."""
+    return any(os.environ.get(v, "").strip().lower() in _TRUE for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def hub_endpoint() -> str:
+    return os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+
+
+def hub_reachable(endpoint: str | None = None, timeout: float = PROBE_TIMEOUT_S) -> bool:
+    """Whether a TCP connection to the hub opens within `timeout` seconds (name lookup included:
+    it runs in a daemon thread, since `getaddrinfo` itself has no timeout). The answer is kept
+    for 30 seconds per endpoint, so the several loads of one command probe once."""
+    endpoint = endpoint or hub_endpoint()
+    cached = _probes.get(endpoint)
+    if cached is not None and time.monotonic() - cached[0] < _PROBE_TTL_S:
+        return cached[1]
+    url = urlparse(endpoint)
+    host = url.hostname or ""
+    port = url.port or (443 if url.scheme == "https" else 80)
+    ok = threading.Event()
+
+    def probe() -> None:
+        try:
+            with socket.create_connection((host, port), timeout=timeout):
+                ok.set()
+        except OSError:
+            pass
+
+    worker = threading.Thread(target=probe, daemon=True)
+    worker.start()
+    worker.join(timeout)
+    _probes[endpoint] = (time.monotonic(), ok.is_set())
+    return ok.is_set()
+
+
+def in_hub_cache(repo_id: str) -> bool:
+    """Whether the local Hugging Face cache holds `repo_id`'s config.json."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        found = try_to_load_from_cache(repo_id, "config.json")
+    except ValueError:  # not a valid repo id
+        return False
+    return isinstance(found, str)
+
+
+def looks_like_hub_id(arg: str | os.PathLike[str]) -> bool:
+    """`org/name` or `name` that is not an existing local path (and not written as one: ./x, /x,
+    ~/x, a/b/c)."""
+    name = str(arg)
+    return not Path(name).expanduser().exists() and bool(HUB_ID.match(name))
+
+
+def check_hub_id(name: str, flag: str | None = None, error: type[Exception] = InputError) -> str:
+    """`name`, a hub id, when it can be loaded now; otherwise `error` with one line that says to
+    pass a local checkpoint directory or set HF_HUB_OFFLINE=1, within a few seconds. `flag`
+    (e.g. "--model") starts the message when given."""
+    what = f"{flag} {name}" if flag else name
+    if hub_offline():
+        if not in_hub_cache(name):
+            raise error(
+                f"{what}: no such directory, and HF_HUB_OFFLINE is set but the hub id is not in the local "
+                "Hugging Face cache; download it once while online, or pass a local checkpoint directory"
+            )
+        return name
+    if not hub_reachable():
+        raise error(
+            f"{what}: no such directory, and the Hugging Face hub ({hub_endpoint()}) is unreachable; pass a "
+            "local checkpoint directory, or set HF_HUB_OFFLINE=1 to load the hub id from the local cache"
+        )
+    return name
+
+
+def check_model_arg(arg: str | os.PathLike[str] | None, flag: str, error: type[Exception] = InputError) -> None:
+    """What a command does first with a model flag: a hub id must be loadable now (`check_hub_id`);
+    a local path is left to the command's own checks."""
+    if arg is not None and looks_like_hub_id(arg):
+        check_hub_id(str(arg), flag, error)
+
+
+def resolve_checkpoint(arg: str | os.PathLike[str], flag: str) -> Path | str:
+    """A local checkpoint directory (Path) or a hub id (str) that can be loaded now; InputError
+    naming `flag` (e.g. "--dense") otherwise, within a few seconds when the hub is unreachable."""
+    local = Path(arg).expanduser()
+    if local.exists():
+        if not (local / "config.json").is_file():
+            raise InputError(f"{flag} {arg}: not a model directory (no config.json)")
+        return local
+    name = str(arg)
+    if not HUB_ID.match(name):
+        raise InputError(f"{flag} {arg}: no such directory (pass a checkpoint directory or a hub id like org/name)")
+    return check_hub_id(name, flag)
+
+
+__all__ = [
+    "check_hub_id", "check_model_arg", "check_output_dir", "check_output_file", "hub_offline", "hub_reachable",
+    "in_hub_cache", "looks_like_hub_id", "resolve_checkpoint",
+]

@@ -54,6 +54,7 @@ from vlmod.argtypes import read_yaml_mapping
 from vlmod.config import MoDConfig
 from vlmod.errors import InputError
 from vlmod.fileio import write_json
+from vlmod.resume import DATA_KEY, data_fingerprint, settings_diff
 
 TRAINABLE = ("router", "language", "lora", "full")
 SCHEDULERS = ("cosine", "linear", "constant")
@@ -61,6 +62,10 @@ PRECISIONS = ("no", "fp16", "bf16")
 TRACKERS = ("tensorboard", "wandb", "comet_ml", "aim", "mlflow", "clearml", "dvclive", "trackio", "all")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 STATE_FILE = "trainer_state.json"
+# Default learning rates: the full-model one, and the routers-only one (`trainable: router`, as
+# configs/finetune/llava-1.5-7b-router.yaml: a few thousand fresh parameters learn fast).
+LR = 2e-5
+ROUTER_ONLY_LR = 1e-3
 RUN_FILE = "run.json"
 # Settings that do not change what a run computes: a resumed run may change these freely.
 FREE_SETTINGS = frozenset({
@@ -83,6 +88,7 @@ class TrainConfig:
     mod: MoDConfig fields to convert the language model before training (e.g. {capacity: 0.5,
         layers: [2, 3], routable: [image]}); None trains the model as loaded.
     aux_loss / aux_loss_weight: override the router aux loss of an already converted model.
+    lr: None gives LR, or ROUTER_ONLY_LR when only the routers train.
     max_steps: optimizer steps; None runs `epochs` epochs.
     warmup: warm-up steps (>= 1) or a fraction of the run (< 1).
     save_steps / eval_steps / log_steps: every N optimizer steps (0: never; a final save always).
@@ -111,7 +117,7 @@ class TrainConfig:
     lora_alpha: int = 32
     lora_dropout: float = 0.05
     lora_targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
-    lr: float = 2e-5
+    lr: float | None = None
     router_lr: float | None = None
     weight_decay: float = 0.0
     scheduler: str = "cosine"
@@ -147,6 +153,8 @@ class TrainConfig:
         for key, (value, valid) in choices.items():
             if value not in valid:
                 raise TrainError(f"{key} must be one of {', '.join(valid)}; got {value!r}")
+        if self.lr is None:
+            self.lr = ROUTER_ONLY_LR if self.trainable == "router" else LR
         if isinstance(self.report_to, str):
             self.report_to = [self.report_to]
         for tracker in self.report_to:
@@ -414,13 +422,8 @@ def run_settings(cfg: TrainConfig) -> dict[str, Any]:
     for key in ("model", "data", "image_root"):
         if d.get(key) and Path(d[key]).expanduser().exists():
             d[key] = str(Path(d[key]).expanduser().resolve())
+    d[DATA_KEY] = data_fingerprint(cfg.data)  # the same path with other content is other data
     return json.loads(json.dumps({k: v for k, v in d.items() if k not in FREE_SETTINGS}))
-
-
-def settings_diff(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """'key: saved -> current' for every setting that differs."""
-    keys = sorted(set(saved) | set(current))
-    return [f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in keys if saved.get(k) != current.get(k)]
 
 
 def _read_json(path: Path) -> Any:
@@ -888,7 +891,8 @@ _OVERRIDES: tuple[tuple[str, Any, str], ...] = (
     ("image_root", str, "folder image/video paths are relative to (default: the JSON's folder)"),
     ("output_dir", str, "where checkpoints/, model/ and train_log.json go"),
     ("trainable", str, f"what trains: {', '.join(TRAINABLE)}"),
-    ("lr", float, "learning rate"),
+    ("lr", float, f"learning rate (default: {LR}; {ROUTER_ONLY_LR} with --trainable router, as "
+     "configs/finetune/llava-1.5-7b-router.yaml)"),
     ("router_lr", float, "learning rate of the routers (default: --lr)"),
     ("max_steps", int, "optimizer steps (default: --epochs)"),
     ("epochs", float, "epochs when --max-steps is not set"),
@@ -899,18 +903,28 @@ _OVERRIDES: tuple[tuple[str, Any, str], ...] = (
     ("eval_steps", int, "validation loss every N steps (0: never)"),
     ("log_steps", int, "log loss / lr / skip rate every N steps"),
     ("seed", int, "seed of the init, the shuffle and dropout"),
-    ("resume", str, "'latest' or a checkpoint directory: continue that run"),
+    ("resume", str, "'latest' or a checkpoint directory: continue that run (a changed --lr, --max-steps, "
+     "data or other setting is refused, naming it)"),
 )
 
 
 def add_finetune_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The flags of `scripts/finetune.py` and `vlmod finetune`: a YAML config plus overrides."""
     parser.add_argument("--config", help="YAML of TrainConfig settings (configs/finetune/*.yaml)")
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
     for name, kind, help_text in _OVERRIDES:
+        default = defaults[name]
+        if "default" not in help_text:  # the flag's own default is None: the YAML may set it
+            shown = (
+                "no default: required, here or in --config" if default is dataclasses.MISSING
+                else f"default: {'not set' if default is None else default}"
+            )
+            help_text = f"{help_text} ({shown})"
         parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, default=None, help=help_text)
     parser.add_argument("--report-to", dest="report_to", action="append", default=None,
                         help=f"accelerate tracker ({', '.join(TRACKERS)}); repeat for several")
-    parser.add_argument("--gradient-checkpointing", dest="gradient_checkpointing", action="store_true", default=None)
+    parser.add_argument("--gradient-checkpointing", dest="gradient_checkpointing", action="store_true", default=None,
+                        help="recompute activations in the backward pass: less memory, slower (default: off)")
     parser.add_argument("--overwrite", dest="overwrite", action="store_true", default=None,
                         help="delete what an earlier run left in --output-dir (checkpoints, model, logs) first")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")

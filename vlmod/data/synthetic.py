@@ -361,12 +361,19 @@ def generate(
 
 def add_make_data_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The flags of `scripts/make_synthetic_data.py` (and `vlmod data synthetic`); sets
-    `run=run_make_data` as default."""
+    `run=run_make_data` as default. The defaults are the sets the recipes train on
+    (`vlmod.recipe.RecipeSettings`: the image task's images, the video task's clips)."""
+    from vlmod.recipe import RecipeSettings
+
+    image, video = RecipeSettings.for_task("image"), RecipeSettings.for_task("video")
     parser.add_argument("--out", default="data/synthetic", help="output folder (default: data/synthetic)")
-    parser.add_argument("--train", type=non_negative_int, default=2000, help="train images (default: 2000)")
-    parser.add_argument("--val", type=non_negative_int, default=200, help="validation images (default: 200)")
+    parser.add_argument("--train", type=non_negative_int, default=image.num_train,
+                        help=f"train images (default: {image.num_train}, the image recipe's)")
+    parser.add_argument("--val", type=non_negative_int, default=image.num_val,
+                        help=f"validation images (default: {image.num_val}, the image recipe's)")
     parser.add_argument(
-        "--image-size", type=int, default=64, help=f"image side in px, >= {MIN_IMAGE_SIZE} (default: 64)"
+        "--image-size", type=int, default=image.image_size,
+        help=f"image side in px, >= {MIN_IMAGE_SIZE} (default: {image.image_size}, the recipes')",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed; the same seed writes the same bytes (default: 0)")
     parser.add_argument(
@@ -377,16 +384,19 @@ def add_make_data_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
     parser.add_argument(
         "--distractors",
         type=non_negative_int,
-        default=2,
+        default=image.distractors,
         help=f"at most this many extra shapes in colour/shape/position images, 0..{MAX_DISTRACTORS} "
-        "(default: 2; 0 = one shape per image, an easier set)",
+        f"(default: {image.distractors}, the image recipe's: one shape per image; 2 makes a harder set)",
     )
     parser.add_argument("--video", action="store_true", help="also write the video set (video_train/val.json)")
-    parser.add_argument("--videos", type=non_negative_int, default=200, help="train videos (default: 200)")
+    parser.add_argument("--videos", type=non_negative_int, default=video.num_train,
+                        help=f"train videos (default: {video.num_train}, the video recipe's)")
     parser.add_argument(
-        "--val-videos", type=non_negative_int, default=None, help="validation videos (default: a tenth of --videos)"
+        "--val-videos", type=non_negative_int, default=None,
+        help=f"validation videos (default: {video.num_val}, the video recipe's, with the default --videos; "
+        "else a tenth of --videos)",
     )
-    parser.add_argument("--frames", type=int, default=8, help="frames per video (default: 8)")
+    parser.add_argument("--frames", type=int, default=video.frames, help=f"frames per video (default: {video.frames})")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(run=run_make_data)
     return parser
@@ -396,7 +406,11 @@ def run_make_data(args: argparse.Namespace) -> int:
     """Generate the set from parsed flags and print what was written; bad values are one
     `error:` line and exit status 2."""
     from vlmod.paths import check_output_dir
+    from vlmod.recipe import RecipeSettings
 
+    video = RecipeSettings.for_task("video")
+    if args.val_videos is None and args.videos == video.num_train:
+        args.val_videos = video.num_val  # the video recipe's set
     try:
         check_output_dir(args.out, "--out")
         summary = generate(
