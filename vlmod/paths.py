@@ -26,7 +26,7 @@ from urllib.parse import urlparse
 
 from vlmod.errors import InputError
 
-HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # kept for importers; checks use is_repo_id
 PROBE_TIMEOUT_S = 3.0
 _PROBE_TTL_S = 30.0
 _TRUE = {"1", "on", "yes", "true"}
@@ -164,11 +164,22 @@ def in_hub_cache(repo_id: str) -> bool:
     return isinstance(found, str)
 
 
+def is_repo_id(name: str) -> bool:
+    """Whether `name` is a valid hub repo id (`org/name` or `name`), as huggingface_hub itself
+    validates them (`./x`, `/x`, `~/x`, `a/b/c` are not)."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
 def looks_like_hub_id(arg: str | os.PathLike[str]) -> bool:
-    """`org/name` or `name` that is not an existing local path (and not written as one: ./x, /x,
-    ~/x, a/b/c)."""
+    """A valid hub repo id that is not an existing local path."""
     name = str(arg)
-    return not Path(name).expanduser().exists() and bool(HUB_ID.match(name))
+    return not Path(name).expanduser().exists() and is_repo_id(name)
 
 
 def check_hub_id(name: str, flag: str | None = None, error: type[Exception] = InputError) -> str:
@@ -207,12 +218,12 @@ def resolve_checkpoint(arg: str | os.PathLike[str], flag: str) -> Path | str:
             raise InputError(f"{flag} {arg}: not a model directory (no config.json)")
         return local
     name = str(arg)
-    if not HUB_ID.match(name):
+    if not is_repo_id(name):
         raise InputError(f"{flag} {arg}: no such directory (pass a checkpoint directory or a hub id like org/name)")
     return check_hub_id(name, flag)
 
 
 __all__ = [
     "check_hub_id", "check_model_arg", "check_output_dir", "check_output_file", "hub_offline", "hub_reachable",
-    "in_hub_cache", "looks_like_hub_id", "resolve_checkpoint",
+    "in_hub_cache", "is_repo_id", "looks_like_hub_id", "resolve_checkpoint",
 ]
