@@ -67,7 +67,7 @@ def _no_loading(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded before the output path was checked")
 
-    monkeypatch.setattr(vlmod.hf, "load_llava", refuse)
+    monkeypatch.setattr(vlmod.hf, "load_vlm", refuse)
     monkeypatch.setattr(vlmod.hf, "load_pretrained", refuse)
 
 

@@ -193,7 +193,7 @@ def test_router_mode_needs_routers_and_a_llava_model(workdir: Path, tmp_path: Pa
 
     CLIPVisionModel(CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                      num_attention_heads=4, image_size=32, patch_size=8)).save_pretrained(tmp_path / "clip")
-    with pytest.raises(TrainError, match="supports LLaVA"):
+    with pytest.raises(TrainError, match="supports vision-language models"):
         load_model(_cfg(workdir, tmp_path, model=str(tmp_path / "clip")))
 
 

@@ -559,10 +559,10 @@ def _run_audit(args: argparse.Namespace) -> int:
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     except RuntimeError as e:
         raise AuditInputError(f"--device {args.device}: {str(e).splitlines()[0]}") from None
-    from vlmod.hf import load_llava
+    from vlmod.hf import load_vlm
 
     try:  # one line for a damaged / foreign checkpoint, NaN weights, a malformed vlmod section
-        model, processor = load_llava(str(args.model), AuditInputError, "the audit supports")
+        model, processor = load_vlm(str(args.model), AuditInputError, "the audit supports")
     except (OSError, TypeError) as e:
         raise AuditInputError(f"cannot load {args.model}: {str(e).splitlines()[0]}") from None
     try:

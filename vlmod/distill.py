@@ -39,9 +39,9 @@ class Teacher:
 
     @classmethod
     def load(cls, path: str, device: torch.device, error: type[Exception], temperature: float = 1.0) -> Teacher:
-        from vlmod.hf import load_llava
+        from vlmod.hf import load_vlm
 
-        model, _ = load_llava(path, error, "distillation supports", dtype=torch.float32)
+        model, _ = load_vlm(path, error, "distillation supports", dtype=torch.float32)
         return cls(model.to(device), temperature)
 
     def loss(self, student_logits: Tensor, batch: dict[str, Any]) -> Tensor:

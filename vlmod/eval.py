@@ -332,16 +332,16 @@ def _pct(value: float | None) -> str:
 def check_checkpoint(path: str) -> None:
     """`EvalError` unless `path` is a LLaVA checkpoint; reads only its config, so every model of a
     comparison is checked before the first one loads."""
-    from vlmod.hf import llava_class
+    from vlmod.hf import vlm_class
 
-    llava_class(path, EvalError, "evaluation supports")
+    vlm_class(path, EvalError, "evaluation supports")
 
 
 def load_model(path: str, device: str = "cpu", dtype: str = "float32") -> tuple[nn.Module, Any]:
     """A LLaVA checkpoint (plain or converted) and its processor, with clear errors."""
-    from vlmod.hf import load_llava
+    from vlmod.hf import load_vlm
 
-    model, processor = load_llava(path, EvalError, "evaluation supports", dtype=getattr(torch, dtype))
+    model, processor = load_vlm(path, EvalError, "evaluation supports", dtype=getattr(torch, dtype))
     return model.to(device).eval(), processor
 
 

@@ -204,31 +204,37 @@ def load_pretrained(path: str | Path, **from_pretrained_kwargs: Any) -> nn.Modul
     return (model, info) if want_info else model
 
 
-def llava_class(path: str | Path, error: type[Exception], purpose: str) -> type:
-    """The LLaVA model class of checkpoint `path`, reading only its config (so a command can check
-    every checkpoint it was given before loading one); `error` with what is wrong otherwise.
-    `purpose` completes the message: "{path} is a X checkpoint; {purpose} LLaVA models (...)"."""
-    from vlmod.plugins import llava
+def vlm_class(path: str | Path, error: type[Exception], purpose: str) -> type:
+    """The vision-language model class of checkpoint `path` (a family a plugin in
+    `vlmod.plugins.decoder.vlm_plugins` converts: LLaVA, Qwen2.5-VL, Qwen3-VL, InternVL, Gemma 3),
+    reading only its config (so a command can check every checkpoint it was given before loading
+    one); `error` with what is wrong otherwise. `purpose` completes the message: "{path} is a X
+    checkpoint; {purpose} vision-language models of these families (...)"."""
+    from vlmod.plugins.decoder import vlm_classes, vlm_families
 
     try:
         cls = model_class(load_config(path))
     except (FileNotFoundError, TypeError, CheckpointError) as e:
         raise error(str(e)) from None
-    if not issubclass(cls, llava._classes()):
-        raise error(f"{path} is a {cls.__name__} checkpoint; {purpose} LLaVA models ({', '.join(llava.FAMILIES)})")
+    if not issubclass(cls, vlm_classes()):
+        raise error(
+            f"{path} is a {cls.__name__} checkpoint; {purpose} vision-language models of these families "
+            f"({', '.join(vlm_families())})"
+        )
     return cls
 
 
-def load_llava(
+def load_vlm(
     path: str | Path, error: type[Exception], purpose: str, converted: bool = True, **from_pretrained_kwargs: Any
 ) -> tuple[nn.Module, Any]:
-    """(model, processor) of a LLaVA checkpoint, with `error` for a checkpoint that is missing, not
-    LLaVA, or has no loadable processor. converted: load the MoD layers it was saved with
-    (`load_pretrained`); False loads the dense model (routers ignored), as calibration wants."""
+    """(model, processor) of a vision-language checkpoint of a supported family (`vlm_class`), with
+    `error` for a checkpoint that is missing, of another family, or has no loadable processor.
+    converted: load the MoD layers it was saved with (`load_pretrained`); False loads the dense
+    model (routers ignored), as calibration wants."""
     from transformers import AutoProcessor
 
     try:
-        cls = llava_class(path, error, purpose)
+        cls = vlm_class(path, error, purpose)
     except CheckpointError as e:
         raise error(str(e)) from None
     try:

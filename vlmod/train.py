@@ -251,11 +251,11 @@ def _typed(key: str, value: Any, annotation: str) -> Any:
 
 def load_model(cfg: TrainConfig) -> tuple[nn.Module, Any]:
     """The LLaVA model (converted as saved, then by `mod:`) and its processor, in float32."""
-    from vlmod.hf import load_llava
+    from vlmod.hf import load_vlm
     from vlmod.routing.api import apply_mod
     from vlmod.routing.trace import find_parts
 
-    model, processor = load_llava(cfg.model, TrainError, "fine-tuning supports", dtype=torch.float32)
+    model, processor = load_vlm(cfg.model, TrainError, "fine-tuning supports", dtype=torch.float32)
     if cfg.mod is not None:
         try:
             apply_mod(model, cfg.mod_config(), part="language")

@@ -82,9 +82,9 @@ def build_pair(
     """
     words = 60
     if model is not None:
-        from vlmod.hf import llava_class, load_config, load_llava, part_configs
+        from vlmod.hf import load_config, load_vlm, part_configs, vlm_class
 
-        llava_class(model, InputError, "bench measures")  # a missing or foreign checkpoint: one line
+        vlm_class(model, InputError, "bench measures")  # a missing or foreign checkpoint: one line
         settings = getattr(load_config(model), "vlmod", None)
         if settings and (capacity is not None or layers is not None):
             parts = ", ".join(f"{part}: capacity {c.capacity:g}, layers {c.layers}" for part, c in part_configs(settings).items())
@@ -92,9 +92,9 @@ def build_pair(
                 f"{model} is already converted to MoD ({parts}); drop --capacity / --layers to measure it "
                 "as saved, or give the plain checkpoint to convert it otherwise"
             )
-        mod, processor = load_llava(model, InputError, "bench measures", converted=True)
+        mod, processor = load_vlm(model, InputError, "bench measures", converted=True)
         if vlmod.mod_layers(mod):
-            dense, _ = load_llava(model, InputError, "bench measures", converted=False)
+            dense, _ = load_vlm(model, InputError, "bench measures", converted=False)
             return dense.eval(), mod.eval(), processor, words, "the checkpoint's own MoD layers"
         dense = mod.eval()
     else:

@@ -116,11 +116,11 @@ def load_model(path: str | Path, dense_path: str | Path | None = None, device: s
     """Load a converted checkpoint (and a dense one to compare with: a local directory or a hub
     id, see `vlmod.demo.checkpoints`) for the demo."""
     import vlmod
-    from vlmod.hf import load_llava
+    from vlmod.hf import load_vlm
 
     if Path(path).expanduser().exists():
         path = Path(path).expanduser()
-    model, processor = load_llava(path, ValueError, "the demo shows")
+    model, processor = load_vlm(path, ValueError, "the demo shows")
     model = model.to(device).eval()
     if not vlmod.mod_layers(model):
         raise ValueError(
