@@ -301,19 +301,27 @@ def language_prefill_flops(
     return total + linear_flops(1, dims.dim, dims.vocab)
 
 
-def hf_vision_dims(vision_config: object) -> ViTDims:
-    """ViTDims of a Hugging Face CLIP / SigLIP tower from its config."""
-    patch = vision_config.patch_size
-    heads = vision_config.num_attention_heads
+def _side(size: object) -> int:
+    return int(size[0] if isinstance(size, (list, tuple)) else size)
+
+
+def hf_vision_dims(vision_config: object, num_patches: int | None = None) -> ViTDims:
+    """ViTDims of a Hugging Face vision tower from its config: CLIP / SigLIP, InternViT (one class
+    token), or a packed tower (Qwen) given the `num_patches` of one picture."""
+    patch = _side(vision_config.patch_size)
+    heads = getattr(vision_config, "num_attention_heads", None) or vision_config.num_heads
+    if num_patches is None:
+        num_patches = (_side(vision_config.image_size) // patch) ** 2
+    channels = getattr(vision_config, "num_channels", None) or getattr(vision_config, "in_channels", 3)
     return ViTDims(
         dim=vision_config.hidden_size,
-        depth=vision_config.num_hidden_layers,
+        depth=getattr(vision_config, "depth", None) or vision_config.num_hidden_layers,
         heads=heads,
         head_dim=vision_config.hidden_size // heads,
         mlp_hidden=vision_config.intermediate_size,
-        num_patches=(vision_config.image_size // patch) ** 2,
-        num_prefix=1 if "clip" in vision_config.model_type else 0,
-        patch_dim=getattr(vision_config, "num_channels", 3) * patch * patch,
+        num_patches=num_patches,
+        num_prefix=1 if vision_config.model_type in ("clip_vision_model", "internvl_vision") else 0,
+        patch_dim=channels * patch * patch * getattr(vision_config, "temporal_patch_size", 1),
     )
 
 
@@ -334,10 +342,16 @@ def generation_flops(model: nn.Module, inputs: Mapping[str, object], trace: obje
     attention ("language", "total") and as a causal kernel does ("language_causal",
     "total_causal"; see `language_prefill_flops`). `trace`: a `RoutingTrace` of that prefill for a
     MoD model, None for a dense one."""
+    from vlmod.plugins.decoder import tower_patches
+
     batch = inputs["input_ids"].shape[0]
     processed = trace.processed if trace is not None else {}
-    vision = vit_flops(hf_vision_dims(model.config.vision_config), processed_counts(processed, "vision"))
-    vision *= vision_images(inputs) / batch
+    packed = tower_patches(model, inputs)
+    if packed is None:  # every picture (image, tile, frame) the same patch grid
+        vision = vit_flops(hf_vision_dims(model.config.vision_config), processed_counts(processed, "vision"))
+        vision *= vision_images(inputs) / batch
+    else:  # a packed tower (Qwen): each picture its own number of patches, never routed
+        vision = sum(vit_flops(hf_vision_dims(model.config.vision_config, n)) for n in packed) / batch
     tokens = float(inputs["attention_mask"].sum(1, dtype=torch.float64).mean())
     dims = DecoderDims.from_config(model.config.text_config)
     counts = processed_counts(processed, "language")

@@ -10,7 +10,13 @@ a per-layer mask and routed KV cache) serves them as it is; a family file says o
 
 from __future__ import annotations
 
-from torch import nn
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
 
 from vlmod.config import MoDConfig
 from vlmod.plugins import PartSpec, hf_vision
@@ -85,3 +91,67 @@ def vlm_classes() -> tuple[type, ...]:
 
 def vlm_families() -> list[str]:
     return [f for plugin in vlm_plugins() for f in plugin.FAMILIES]
+
+
+# -- what the commands (rank, finetune, eval, audit, demo) need to know of a family ---------------
+
+
+@dataclass(frozen=True)
+class TokenGrid:
+    """One picture's vision tokens on a grid: `tokens` index the sequence's tokens of that kind
+    (image or video) in order, row-major, rows * cols of them; `cell`: the side in model input
+    pixels that one token covers."""
+
+    name: str
+    rows: int
+    cols: int
+    tokens: list[int]
+    cell: int
+
+
+def vlm_plugin(model: nn.Module) -> Any:
+    """The plugin module of a whole vision-language model, or None (an encoder, another model)."""
+    return next((p for p in vlm_plugins() if p.matches(model)), None)
+
+
+def own_positions(model: nn.Module) -> bool:
+    """True when the model numbers its positions itself from the processor's outputs (Qwen's
+    multimodal RoPE): a caller must not pass `position_ids` then, not even for left padding."""
+    return bool(getattr(vlm_plugin(model), "OWN_POSITIONS", False))
+
+
+def token_grids(
+    model: nn.Module, inputs: dict[str, Any], sizes: Sequence[tuple[int, int]], as_video: bool = False
+) -> list[list[TokenGrid]] | None:
+    """Per picture of one prompt, its token grids (the first covers the whole picture), from the
+    processor's `inputs` and each picture's (width, height); None when the family's plugin has no
+    layout of its own (LLaVA: the demo works its layouts out from token counts)."""
+    layout = getattr(vlm_plugin(model), "token_grids", None)
+    return None if layout is None else layout(model, inputs, sizes, as_video)
+
+
+def token_runs(input_ids: Tensor, token_id: int) -> list[int]:
+    """Lengths of the runs of `token_id` in a 1-D `input_ids`, in order (one run per picture in
+    families that bracket each picture's tokens with begin / end tokens)."""
+    hit = (input_ids == token_id).long()
+    edges = torch.diff(torch.cat([hit.new_zeros(1), hit, hit.new_zeros(1)]))
+    starts, ends = torch.nonzero(edges == 1).flatten(), torch.nonzero(edges == -1).flatten()
+    return (ends - starts).tolist()
+
+
+def square_grids(runs: Sequence[int], per_picture: int, cell: int) -> list[list[TokenGrid]]:
+    """Fixed square grids of `per_picture` tokens, one per picture (Gemma 3)."""
+    side = math.isqrt(per_picture)
+    grids, start = [], 0
+    for run in runs:
+        for first in range(start, start + run, per_picture):
+            grids.append([TokenGrid("tokens", side, side, list(range(first, first + per_picture)), cell)])
+        start += run
+    return grids
+
+
+def tower_patches(model: nn.Module, inputs: dict[str, Any]) -> list[int] | None:
+    """Patches of every picture a packed vision tower encodes for `inputs` (Qwen: from the
+    processor's grids), or None where every picture is the tower's fixed patch grid."""
+    count = getattr(vlm_plugin(model), "tower_patches", None)
+    return None if count is None else count(model, inputs)

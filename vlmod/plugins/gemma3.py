@@ -20,7 +20,8 @@ mask and is refused.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -28,7 +29,7 @@ from torch import Tensor, nn
 
 from vlmod.config import MoDConfig
 from vlmod.plugins import PartSpec
-from vlmod.plugins.decoder import check_part, language_part, vision_part
+from vlmod.plugins.decoder import TokenGrid, check_part, language_part, square_grids, token_runs, vision_part
 from vlmod.plugins.llava import DecoderAdapter
 from vlmod.routing.layer import MoDPart
 from vlmod.routing.selection import Selection
@@ -175,3 +176,14 @@ class Gemma3Adapter(DecoderAdapter):
             zero = torch.zeros((), dtype=dtype, device=allowed.device)
             return torch.where(allowed, zero, torch.finfo(dtype).min)
         return allowed
+
+
+def token_grids(
+    model: nn.Module, inputs: dict[str, Any], sizes: Sequence[tuple[int, int]], as_video: bool = False
+) -> list[list[TokenGrid]]:
+    """Every image is pooled to `mm_tokens_per_image` tokens, a square grid over the whole
+    (squashed) picture, between its begin / end-of-image tokens."""
+    config = model.config
+    per = config.mm_tokens_per_image
+    cell = config.vision_config.image_size // math.isqrt(per)
+    return square_grids(token_runs(inputs["input_ids"][0], config.image_token_id), per, cell)
