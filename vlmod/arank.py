@@ -361,13 +361,10 @@ def _mha_pre_hook(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple,
 def _instrument(spec: Any, recorder: _Recorder, undo: list[Callable[[], None]]) -> None:
     """Hook every block's attention of the part so its maps reach `recorder`, per family."""
     blocks = spec.blocks
-    if spec.family in ("llava", "hf_vision"):
+    if all(hasattr(block, "self_attn") for block in blocks):  # Hugging Face decoder and CLIP / SigLIP layers
         _use_eager(spec.root, undo)
         for i, block in enumerate(blocks):
-            attn = getattr(block, "self_attn", None)
-            if attn is None:
-                raise TypeError(f"{type(block).__name__} has no self_attn module to read attention maps from")
-            undo.append(attn.register_forward_hook(partial(_hf_hook, recorder, i)).remove)
+            undo.append(block.self_attn.register_forward_hook(partial(_hf_hook, recorder, i)).remove)
     elif spec.family == "timm":
         for i, block in enumerate(blocks):
             attn = getattr(block, "attn", None)
@@ -433,7 +430,8 @@ def rank_layers(
     from tqdm.auto import tqdm
     from transformers import PreTrainedModel
 
-    from vlmod.plugins import find_plugin, llava
+    from vlmod.plugins import find_plugin
+    from vlmod.plugins.decoder import own_positions, vlm_plugin
     from vlmod.routing import mod_layers
 
     if isinstance(batches, (Mapping, Tensor)):
@@ -445,13 +443,13 @@ def rank_layers(
             "call vlmod.remove_mod(model) first, or rank the checkpoint before converting it"
         )
     spec = find_plugin(model).part_spec(model, part, MoDConfig())
-    is_llava = llava.matches(model)
-    callee = model if is_llava else spec.entry
+    is_vlm = vlm_plugin(model) is not None  # a whole vision-language model of any family
+    callee = model if is_vlm else spec.entry
     param = next(model.parameters())
     device, dtype = param.device, param.dtype
     recorder = _Recorder(len(spec.blocks))
     extra: dict[str, Any] = {}
-    if is_llava:
+    if is_vlm:
         extra["use_cache"] = False
         if "logits_to_keep" in inspect.signature(type(model).forward).parameters:
             extra["logits_to_keep"] = 1  # the logits are not needed: skip the vocabulary projection
@@ -465,13 +463,13 @@ def rank_layers(
             raise TypeError(
                 f"a calibration batch must be a dict, a tensor or a tuple, got {type(batch).__name__}"
             )
-        elif is_llava:
+        elif is_vlm:
             inputs = {k: _move(v, device, dtype) for k, v in batch.items()}
             mask = inputs.get("attention_mask")
             if mask is not None and mask.dim() == 2:
                 if spec.name == "language":
                     recorder.real = mask.bool()
-                if "position_ids" not in inputs:
+                if "position_ids" not in inputs and not own_positions(model):
                     # Positions as generate() numbers them: a padded sequence gets the positions
                     # it would have alone.
                     inputs["position_ids"] = (mask.long().cumsum(-1) - 1).clamp_min(0)
@@ -487,7 +485,7 @@ def rank_layers(
     try:
         model.eval()
         _instrument(spec, recorder, undo)
-        if is_llava and spec.name == "vision":
+        if is_vlm and spec.name == "vision":
 
             def stop(*_: Any) -> None:
                 raise _StopForward
@@ -624,8 +622,13 @@ class CalibrationBatches:
                 )
             )
         media = {"videos": list(videos)} if videos else {}
+        # Images nested per sample: what every family's processor takes (Gemma 3's requires it).
+        flat, nested = list(images), []
+        for s in samples:
+            nested.append(flat[: len(s.images)])
+            flat = flat[len(s.images):]
         return dict(
-            self.processor(images=list(images) or None, text=texts, return_tensors="pt", padding=True, **media)
+            self.processor(images=nested if images else None, text=texts, return_tensors="pt", padding=True, **media)
         )
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
@@ -835,10 +838,10 @@ def run_rank(args: argparse.Namespace) -> int:
         return EXIT_USAGE
 
 
-def _load_llava(path: str, device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, Any]:
-    from vlmod.hf import load_llava
+def _load_model(path: str, device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, Any]:
+    from vlmod.hf import load_vlm
 
-    model, processor = load_llava(
+    model, processor = load_vlm(
         path, RankInputError, "the rank command calibrates (for image encoders, call vlmod.arank.rank_layers)",
         converted=False, dtype=dtype,
     )
@@ -860,7 +863,7 @@ def rank_checkpoint(
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     samples = calibration_samples(data, image_root=image_root, prompt=prompt)
-    llava, processor = _load_llava(model, device, dtype)
+    llava, processor = _load_model(model, device, dtype)
     batches = calibration_batches(processor, samples, batch_size=batch_size, num_samples=num_samples)
     ranks = rank_layers(llava, batches, part=part, progress=progress, total=batches.total)
     del llava
@@ -895,7 +898,7 @@ def _run_rank(args: argparse.Namespace) -> int:
     if args.no_progress:
         hf_logging.disable_progress_bar()
     try:
-        model, processor = _load_llava(args.model, device, dtype)
+        model, processor = _load_model(args.model, device, dtype)
     finally:
         if args.no_progress and not bars_were_off:
             hf_logging.enable_progress_bar()
