@@ -94,62 +94,55 @@ class VLMod(lmms):
 
         from vlmod.hf import check_finite
 
-        self._device = pick_device(device)
+        self.device = pick_device(device)
         if dtype in (None, "", "auto"):  # the checkpoint's dtype on a GPU; float32 on CPU
-            torch_dtype: Any = "auto" if self._device.type == "cuda" else torch.float32
+            torch_dtype: Any = "auto" if self.device.type == "cuda" else torch.float32
         else:
             torch_dtype = getattr(torch, str(dtype))
-        self._model = vlmod.load_pretrained(pretrained, dtype=torch_dtype)
-        check_finite(self._model, pretrained)
+        self.model = vlmod.load_pretrained(pretrained, dtype=torch_dtype)
+        check_finite(self.model, pretrained)
         if capacity is not None:
-            vlmod.set_capacity(self._model, float(capacity))
+            vlmod.set_capacity(self.model, float(capacity))
         if router is not None:
-            vlmod.set_router(self._model, str(router))
-        self._model.to(self._device).eval()
+            vlmod.set_router(self.model, str(router))
+        self.model.to(self.device).eval()
         self.processor = AutoProcessor.from_pretrained(pretrained)
         self.tokenizer = getattr(self.processor, "tokenizer", self.processor)
         self.tokenizer.padding_side = "left"  # prompts end together: generation and scoring read the last columns
         self.batch_size = 1 if str(batch_size).startswith("auto") else max(1, int(batch_size))
         self.max_frames = int(max_frames)
         self.max_new_tokens = int(max_new_tokens)
-        self.mod = bool(vlmod.mod_layers(self._model))
-        self._stats: dict[str, Any] = {}
+        self.mod = bool(vlmod.mod_layers(self.model))
+        self._stats: dict[str, float] = defaultdict(float)
+        self._ran: dict[str, torch.Tensor] = {}  # "part.layer": [vision tokens run, vision tokens]
         self._logged: dict[str, Any] | None = None
-        logger.info(f"vlmod: {pretrained} on {self._device}, MoD layers {vlmod.mod_layers(self._model) or 'none (dense)'}")
-
-    @property
-    def model(self) -> torch.nn.Module:
-        return self._model
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
+        logger.info(f"vlmod: {pretrained} on {self.device}, MoD layers {vlmod.mod_layers(self.model) or 'none (dense)'}")
 
     # -- inputs --------------------------------------------------------------------------------
 
-    def _visuals(self, args: tuple) -> tuple[list[Any], list[Any]]:
-        """(images, videos) of one request: its doc's visuals, PIL images or video paths."""
+    def _inputs(self, batch: list[tuple]) -> tuple[list[str], list[Any], list[Any]]:
+        """(prompts, images, videos) of a batch of requests; a request's doc gives PIL images or
+        video paths (`doc_to_visual`)."""
         from PIL import Image
 
-        if len(args) < 6 or args[2] is None:
-            return [], []
-        doc_to_visual, doc_id, task, split = args[2:6]
-        images, videos = [], []
-        for visual in doc_to_visual(self.task_dict[task][split][doc_id]) or []:
-            if isinstance(visual, Image.Image):
-                images.append(visual.convert("RGB"))
-            elif isinstance(visual, (str, Path)):
-                videos.append(self._video(visual))
-            else:
-                raise TypeError(f"vlmod: task {task} gives a {type(visual).__name__} visual; images and video paths are supported")
-        return images, videos
+        prompts, images, videos = [], [], []
+        for args in batch:
+            visuals = args[2](self.task_dict[args[4]][args[5]][args[3]]) if len(args) >= 6 and args[2] else []
+            imgs = [v.convert("RGB") for v in visuals or [] if isinstance(v, Image.Image)]
+            vids = [self._video(v) for v in visuals or [] if isinstance(v, (str, Path))]
+            if len(imgs) + len(vids) != len(visuals or []):
+                raise TypeError(f"vlmod: task {args[4]} gives visuals other than images and video paths")
+            prompts.append(self._prompt(args[0], len(imgs), len(vids)))
+            images += imgs
+            videos += vids
+        return prompts, images, videos
 
     def _video(self, path: str | Path) -> Any:
         from vlmod.data.collate import _to_frame_count
         from vlmod.video import load_video
 
         if getattr(self.processor, "video_processor", None) is None:
-            raise ValueError(f"vlmod: {type(self._model).__name__} takes no video ({path}); use a video checkpoint")
+            raise ValueError(f"vlmod: {type(self.model).__name__} takes no video ({path}); use a video checkpoint")
         return _to_frame_count(load_video(path, self.max_frames).frames, self.max_frames)
 
     def _prompt(self, context: str, n_images: int, n_videos: int) -> str:
@@ -174,47 +167,42 @@ class VLMod(lmms):
             kwargs["images"] = images
         if videos:
             kwargs["videos"] = videos
-        dtype = next(self._model.parameters()).dtype
+        dtype = next(self.model.parameters()).dtype
         return {
-            k: (v.to(self._device, dtype) if v.is_floating_point() else v.to(self._device)) if torch.is_tensor(v) else v
+            k: (v.to(self.device, dtype) if v.is_floating_point() else v.to(self.device)) if torch.is_tensor(v) else v
             for k, v in self.processor(**kwargs).items()
         }
 
-    def _batches(self, requests: list[Any], key: Any) -> Any:
-        """Index lists of at most `batch_size` requests with equal `key(args)`, longest context
-        first (the largest batch runs first, so an out-of-memory shows at once)."""
+    # -- requests ------------------------------------------------------------------------------
+
+    def _run(self, requests: list[Any], key: Any, step: Any, desc: str) -> list[Any]:
+        """`step` over batches of at most `batch_size` requests with equal `key(args)`, longest
+        context first (the largest batch runs first, so an out-of-memory shows at once)."""
+        self._begin()
         groups: dict[str, list[int]] = defaultdict(list)
         for i, request in enumerate(requests):
             groups[key(request.args)].append(i)
+        out: list[Any] = [None] * len(requests)
+        bar = tqdm(total=len(requests), desc=desc, disable=self.rank != 0)
         for indices in groups.values():
             indices.sort(key=lambda i: -len(requests[i].args[0]))
             for start in range(0, len(indices), self.batch_size):
-                yield indices[start:start + self.batch_size]
-
-    def _media(self, batch: list[tuple]) -> tuple[list[tuple[int, int]], list[Any], list[Any]]:
-        counts, images, videos = [], [], []
-        for args in batch:
-            imgs, vids = self._visuals(args)
-            counts.append((len(imgs), len(vids)))
-            images += imgs
-            videos += vids
-        return counts, images, videos
-
-    # -- requests ------------------------------------------------------------------------------
-
-    @torch.inference_mode()
-    def generate_until(self, requests: list[Any]) -> list[str]:
-        self._begin()
-        out: list[str] = [""] * len(requests)
-        bar = tqdm(total=len(requests), desc="vlmod generate", disable=self.rank != 0)
-        for indices in self._batches(requests, lambda args: json.dumps(args[1], sort_keys=True, default=str)):
-            batch = [requests[i].args for i in indices]
-            for i, text in zip(indices, self._generate(batch), strict=True):
-                out[i] = text
-            bar.update(len(indices))
+                chunk = indices[start:start + self.batch_size]
+                for i, result in zip(chunk, step([requests[i].args for i in chunk]), strict=True):
+                    out[i] = result
+                bar.update(len(chunk))
         bar.close()
         self._report()
         return out
+
+    @torch.inference_mode()
+    def generate_until(self, requests: list[Any]) -> list[str]:
+        return self._run(requests, lambda args: json.dumps(args[1], sort_keys=True, default=str), self._generate,
+                         "vlmod generate")
+
+    @torch.inference_mode()
+    def loglikelihood(self, requests: list[Any]) -> list[tuple[float, bool]]:
+        return self._run(requests, lambda args: "", self._score, "vlmod loglikelihood")
 
     def _generate(self, batch: list[tuple]) -> list[str]:
         gen = dict(batch[0][1] or {})
@@ -229,11 +217,10 @@ class VLMod(lmms):
         }
         if temperature > 0:
             kwargs.update(temperature=temperature, top_p=gen.get("top_p"))
-        counts, images, videos = self._media(batch)
-        inputs = self._encode([self._prompt(a[0], *c) for a, c in zip(batch, counts, strict=True)], images, videos)
+        inputs = self._encode(*self._inputs(batch))
         with self._trace() as trace:
             began = time.perf_counter()
-            ids = self._model.generate(**inputs, **kwargs)
+            ids = self.model.generate(**inputs, **kwargs)
             seconds = time.perf_counter() - began
         new = ids[:, inputs["input_ids"].shape[1]:]
         real = int((new != self.tokenizer.pad_token_id).sum()) if self.tokenizer.pad_token_id is not None else new.numel()
@@ -242,19 +229,6 @@ class VLMod(lmms):
         for stop in until:
             texts = [t.split(stop)[0] if stop else t for t in texts]
         return texts
-
-    @torch.inference_mode()
-    def loglikelihood(self, requests: list[Any]) -> list[tuple[float, bool]]:
-        self._begin()
-        out: list[tuple[float, bool]] = [(0.0, False)] * len(requests)
-        bar = tqdm(total=len(requests), desc="vlmod loglikelihood", disable=self.rank != 0)
-        for indices in self._batches(requests, lambda args: ""):
-            for i, scored in zip(indices, self._score([requests[i].args for i in indices]), strict=True):
-                out[i] = scored
-            bar.update(len(indices))
-        bar.close()
-        self._report()
-        return out
 
     def _continuation(self, args: tuple) -> str:
         target = args[1]
@@ -266,26 +240,22 @@ class VLMod(lmms):
         """(mean NLL of the continuation's tokens given context and visuals, whether greedy decoding
         gives it) per request. lmms-eval's convention: its models return the loss, and its
         multiple-choice scoring picks the choice with the smallest (argmin)."""
-        counts, images, videos = self._media(batch)
-        prompts = [self._prompt(a[0], *c) for a, c in zip(batch, counts, strict=True)]
+        prompts, images, videos = self._inputs(batch)
         fulls = [p + self._continuation(a) for p, a in zip(prompts, batch, strict=True)]
         lengths = [len(self.tokenizer(f, add_special_tokens=False)["input_ids"])
                    - len(self.tokenizer(p, add_special_tokens=False)["input_ids"]) for f, p in zip(fulls, prompts, strict=True)]
         inputs = self._encode(fulls, images, videos)
         with self._trace() as trace:
             began = time.perf_counter()
-            logits = self._model(**inputs, logits_to_keep=max(lengths) + 1).logits
+            logits = self.model(**inputs, logits_to_keep=max(lengths) + 1).logits
             seconds = time.perf_counter() - began
         self._account(inputs, trace, seconds, 0)
         ids = inputs["input_ids"]
         scored = []
         for row, n in enumerate(lengths):
-            if n <= 0:
-                scored.append((0.0, True))
-                continue
             logp = logits[row, -n - 1:-1].float().log_softmax(-1)
-            target = ids[row, -n:]
-            loss = -logp.gather(-1, target[:, None]).mean()
+            target = ids[row, -n:] if n > 0 else ids[row, :0]
+            loss = -logp.gather(-1, target[:, None]).mean() if n > 0 else torch.zeros(())
             scored.append(_passed_through((float(loss), bool((logp.argmax(-1) == target).all()))))
         return scored
 
@@ -295,50 +265,41 @@ class VLMod(lmms):
     # -- compute figures -----------------------------------------------------------------------
 
     def _trace(self) -> Any:
-        return vlmod.trace_routing(self._model) if self.mod else nullcontext()
+        return vlmod.trace_routing(self.model) if self.mod else nullcontext()
 
     def _account(self, inputs: dict[str, Any], trace: Any, seconds: float, new_tokens: int) -> None:
-        """Add one batch to the run's figures (tensors stay on the device until `_report`)."""
+        """Add one batch to the run's figures (routing counts stay on the device until read)."""
         from vlmod.flops import generation_flops
 
-        s = self._stats
-        rows = inputs["input_ids"].shape[0]
-        s["samples"] = s.get("samples", 0) + rows
-        s["seconds"] = s.get("seconds", 0.0) + seconds
-        s["new_tokens"] = s.get("new_tokens", 0) + new_tokens
-        if trace is not None:
-            types: dict[str, torch.Tensor] = {}
-            ran = s.setdefault("ran", {})
-            for (part, layer), processed in trace.processed.items():
-                if part not in types:
-                    types[part] = torch.isin(trace.part_token_types(part), torch.tensor(_VISION, device=processed.device))
-                vision = types[part]
-                counts = torch.stack([(processed & vision).sum(), vision.sum()])
-                key = f"{part}.{layer}"
-                ran[key] = ran[key] + counts if key in ran else counts
-        if s.get("no_flops"):
+        s, rows = self._stats, inputs["input_ids"].shape[0]
+        s["samples"] += rows
+        s["seconds"] += seconds
+        s["new_tokens"] += new_tokens
+        for (part, layer), processed in (trace.processed.items() if trace is not None else ()):
+            vision = torch.isin(trace.part_token_types(part), torch.tensor(_VISION, device=processed.device))
+            counts = torch.stack([(processed & vision).sum(), vision.sum()])
+            key = f"{part}.{layer}"
+            self._ran[key] = self._ran[key] + counts if key in self._ran else counts
+        if s["no_flops"]:
             return
         try:
-            mod, dense = generation_flops(self._model, inputs, trace), generation_flops(self._model, inputs, None)
-        except (AttributeError, KeyError, TypeError) as err:  # counted for LLaVA families only
-            s["no_flops"] = True
-            logger.warning(f"vlmod: prefill FLOPs are not counted for {type(self._model).__name__} ({err})")
+            mod, dense = generation_flops(self.model, inputs, trace), generation_flops(self.model, inputs, None)
+        except (AttributeError, KeyError, TypeError) as err:  # vlmod.flops counts LLaVA families
+            s["no_flops"] = 1
+            logger.warning(f"vlmod: prefill FLOPs are not counted for {type(self.model).__name__} ({err})")
             return
-        for name, figures in (("flops", mod), ("dense_flops", dense)):
-            for part in ("total", "vision", "language"):
-                s[f"{name}/{part}"] = s.get(f"{name}/{part}", 0.0) + figures[part] * rows
+        for part in ("total", "vision", "language"):
+            s[f"flops/{part}"] += mod[part] * rows
+            s[f"dense_flops/{part}"] += dense[part] * rows
 
     def summary(self) -> dict[str, float]:
         """The run's compute figures so far (names as in the module doc, without `avg_`)."""
-        s = self._stats
-        n = max(1, s.get("samples", 0))
-        out: dict[str, float] = {"vlmod_samples": float(s.get("samples", 0)),
-                                 "vlmod_mod_layers": float(len(vlmod.mod_layers(self._model)))}
-        fractions = {key: (c[0] / c[1]).item() for key, c in s.get("ran", {}).items() if c[1] > 0}
-        values = list(fractions.values())
-        out["vlmod_vision_tokens_ran"] = sum(values) / len(values) if values else 1.0
-        out.update({f"vlmod_vision_tokens_ran/{key}": v for key, v in sorted(fractions.items())})
-        if "flops/total" in s:
+        s, n = self._stats, max(1.0, self._stats["samples"])
+        out = {"vlmod_samples": s["samples"], "vlmod_mod_layers": float(len(vlmod.mod_layers(self.model)))}
+        fractions = {key: (c[0] / c[1]).item() for key, c in sorted(self._ran.items()) if c[1] > 0}
+        out["vlmod_vision_tokens_ran"] = sum(fractions.values()) / len(fractions) if fractions else 1.0
+        out.update({f"vlmod_vision_tokens_ran/{key}": v for key, v in fractions.items()})
+        if s["flops/total"] > 0:
             out["vlmod_prefill_flops_per_sample"] = s["flops/total"] / n
             out["vlmod_dense_prefill_flops_per_sample"] = s["dense_flops/total"] / n
             out["vlmod_prefill_flops_vs_dense"] = s["flops/total"] / s["dense_flops/total"]
@@ -351,21 +312,19 @@ class VLMod(lmms):
         """A cleared throughput log means a new evaluation: its figures start from zero."""
         from lmms_eval.models.model_utils.gen_metrics import get_logged_metrics_history
 
-        if self._logged is not None and not any(m is self._logged for m in get_logged_metrics_history()):
-            self._stats, self._logged = {}, None
+        if self._logged is None or not any(m is self._logged for m in get_logged_metrics_history()):
+            self._stats, self._ran, self._logged = defaultdict(float), {}, None
 
     def _report(self) -> None:
-        """Put the figures into lmms-eval's throughput log, which its results JSON carries. The
-        run keeps one entry, updated in place after every call, so the figures are over all of the
-        run's requests (lmms-eval averages entries, which would weight calls, not samples)."""
+        """Put the figures into lmms-eval's throughput log, which its results JSON carries. The run
+        keeps one entry, updated in place after every call, so the figures are over all of its
+        requests (lmms-eval averages entries, which would weight calls, not samples)."""
         from lmms_eval.models.model_utils.gen_metrics import get_logged_metrics_history, log_metrics
 
-        s = self._stats
-        seconds, tokens = s.get("seconds", 0.0), s.get("new_tokens", 0)
-        figures = {"total_elapsed_time": seconds, "total_gen_tokens": tokens,
-                   "avg_speed": tokens / seconds if seconds > 0 else 0.0, **self.summary()}
+        seconds, tokens, figures = self._stats["seconds"], int(self._stats["new_tokens"]), self.summary()
+        speed = tokens / seconds if seconds > 0 else 0.0
         if self._logged is None:
-            log_metrics(seconds, tokens, figures["avg_speed"], additional_metrics=self.summary())
+            log_metrics(seconds, tokens, speed, additional_metrics=figures)
             self._logged = get_logged_metrics_history()[-1]
-        self._logged.update(figures)
-        logger.info("vlmod: " + ", ".join(f"{k} {v:.4g}" for k, v in self.summary().items()))
+        self._logged.update(total_elapsed_time=seconds, total_gen_tokens=tokens, avg_speed=speed, **figures)
+        logger.info("vlmod: " + ", ".join(f"{k} {v:.4g}" for k, v in figures.items()))
