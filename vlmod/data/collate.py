@@ -231,9 +231,18 @@ def collate(batch: Sequence[dict[str, Tensor]], pad_token_id: int = 0, padding_s
     keys = dict.fromkeys(k for item in batch for k in item if k not in TEXT_KEYS)
     for key in keys:
         tensors = [item[key] for item in batch if key in item and isinstance(item[key], Tensor)]
-        if tensors:
+        if tensors and len(tensors) == len(batch) and all(_per_token(t, item) for t, item in zip(tensors, batch, strict=True)):
+            out[key] = _pad_1d(tensors, 0, padding_side)  # token types of a family (Qwen, Gemma 3): 0 = text
+        elif tensors:
             out[key] = _cat_media(key, tensors)
     return out
+
+
+def _per_token(value: Tensor, item: dict[str, Tensor]) -> bool:
+    """Whether a processor output holds one integer per token (Qwen's `mm_token_type_ids`, Gemma 3's
+    `token_type_ids`): padded like the text, not joined like media."""
+    ids = item.get("input_ids")
+    return ids is not None and not value.is_floating_point() and value.shape == ids.shape
 
 
 # ----------------------------------------------------------------------------- dataset
@@ -443,7 +452,7 @@ class LlavaDataset(torch.utils.data.Dataset):
                 if enc.answer_mask[i]:
                     labels[j] = tok
                 i += 1
-            elif tok not in self.media_token_ids:
+            elif not self._inserted(tok):
                 break
         else:
             if i == len(enc.ids):
@@ -452,6 +461,20 @@ class LlavaDataset(torch.utils.data.Dataset):
             f"record {record_id!r}: the processor's input_ids differ from the tokenized chat template by more "
             "than the expanded image/video tokens, so the answer tokens cannot be located"
         )
+
+    def _inserted(self, token: int) -> bool:
+        """Whether the processor may have inserted `token` when it expanded a media placeholder:
+        the image / video tokens, and the special or whitespace tokens some families put around
+        them (InternVL's `<img>` / `</img>`, Gemma 3's begin / end of image and blank lines)."""
+        if token in self.media_token_ids or token in self._special_ids:
+            return True
+        return not self.tokenizer.decode([token]).strip()
+
+    @property
+    def _special_ids(self) -> frozenset[int]:
+        if not hasattr(self, "_special_id_set"):
+            self._special_id_set = frozenset(getattr(self.tokenizer, "all_special_ids", ()))
+        return self._special_id_set
 
     def _process(self, text: str, add_special: bool, images: list[Any], videos: list[Any]) -> dict[str, Any]:
         kwargs: dict[str, Any] = {"text": text, "return_tensors": "pt", "add_special_tokens": add_special}
@@ -463,10 +486,12 @@ class LlavaDataset(torch.utils.data.Dataset):
 
     @staticmethod
     def _item(out: dict[str, Any]) -> dict[str, Tensor]:
-        item = {"input_ids": out["input_ids"][0], "attention_mask": out["attention_mask"][0]}
+        ids = out["input_ids"]
+        item = {"input_ids": ids[0], "attention_mask": out["attention_mask"][0]}
         for key, value in out.items():
             if key not in item and isinstance(value, Tensor):
-                item[key] = value
+                # Per-token outputs (token types) are 1-D like the text; media keep their batch dim.
+                item[key] = value[0] if value.shape == ids.shape and not value.is_floating_point() else value
         return item
 
     def encode(self, record: LlavaRecord, media: tuple[list[Any], list[Any]] | None = None) -> dict[str, Tensor]:
