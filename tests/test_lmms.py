@@ -216,3 +216,23 @@ def test_capacity_and_router_args_and_video(work: Path, tmp_path: Path) -> None:
     texts = lm.generate_until(_instances("v", docs, visual=lambda doc: [doc["video"]]))
     assert len(texts) == 2 and texts[0] == texts[1]
     assert lm.summary()["vlmod_vision_tokens_ran/language.1"] == pytest.approx(0.5, abs=0.05)
+
+
+def test_a_family_without_flops_counting_still_reports_its_routing(tmp_path: Path) -> None:
+    from PIL import Image
+
+    from vlmod.lmms import VLMod
+
+    tiny.save("qwen2_5_vl", tmp_path / "qwen")
+    model = vlmod.load_pretrained(tmp_path / "qwen")
+    vlmod.apply_mod(model, vlmod.MoDConfig(capacity=0.5, layers=[1], routable=("image",)))
+    model.save_pretrained(tmp_path / "qwen")
+    lm = VLMod(pretrained=str(tmp_path / "qwen"), batch_size=2)
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 255, (32, 32, 3), dtype=np.uint8))
+    docs = [{"question": "what is it ?"}] * 2
+    lm.task_dict = {"q": {"test": docs}}
+    texts = lm.generate_until(_instances("q", docs, visual=lambda doc: [image]))
+    assert texts[0] == texts[1]
+    figures = lm.summary()
+    assert figures["vlmod_vision_tokens_ran/language.1"] == pytest.approx(0.5)
+    assert not any("flops" in key for key in figures)

@@ -113,6 +113,11 @@ class VLMod(lmms):
         self.max_frames = int(max_frames)
         self.max_new_tokens = int(max_new_tokens)
         self.mod = bool(vlmod.mod_layers(self.model))
+        from vlmod.plugins.llava import _classes as llava_classes
+
+        self.llava = isinstance(self.model, llava_classes())
+        if not self.llava:  # vlmod.flops reads LLaVA's vision tower (CLIP / SigLIP) and language model
+            logger.warning(f"vlmod: prefill FLOPs are counted for LLaVA models, not {type(self.model).__name__}")
         self._stats: dict[str, float] = defaultdict(float)
         self._ran: dict[str, torch.Tensor] = {}  # "part.layer": [vision tokens run, vision tokens]
         self._logged: dict[str, Any] | None = None
@@ -280,14 +285,9 @@ class VLMod(lmms):
             counts = torch.stack([(processed & vision).sum(), vision.sum()])
             key = f"{part}.{layer}"
             self._ran[key] = self._ran[key] + counts if key in self._ran else counts
-        if s["no_flops"]:
+        if not self.llava:
             return
-        try:
-            mod, dense = generation_flops(self.model, inputs, trace), generation_flops(self.model, inputs, None)
-        except (AttributeError, KeyError, TypeError) as err:  # vlmod.flops counts LLaVA families
-            s["no_flops"] = 1
-            logger.warning(f"vlmod: prefill FLOPs are not counted for {type(self.model).__name__} ({err})")
-            return
+        mod, dense = generation_flops(self.model, inputs, trace), generation_flops(self.model, inputs, None)
         for part in ("total", "vision", "language"):
             s[f"flops/{part}"] += mod[part] * rows
             s[f"dense_flops/{part}"] += dense[part] * rows
