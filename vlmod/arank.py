@@ -361,10 +361,11 @@ def _mha_pre_hook(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple,
 def _instrument(spec: Any, recorder: _Recorder, undo: list[Callable[[], None]]) -> None:
     """Hook every block's attention of the part so its maps reach `recorder`, per family."""
     blocks = spec.blocks
-    if all(hasattr(block, "self_attn") for block in blocks):  # Hugging Face decoder and CLIP / SigLIP layers
+    hf_attn = [getattr(block, "self_attn", None) or getattr(block, "attention", None) for block in blocks]
+    if all(isinstance(a, nn.Module) for a in hf_attn):  # Hugging Face layers: decoders, CLIP / SigLIP, InternViT
         _use_eager(spec.root, undo)
-        for i, block in enumerate(blocks):
-            undo.append(block.self_attn.register_forward_hook(partial(_hf_hook, recorder, i)).remove)
+        for i, attn in enumerate(hf_attn):
+            undo.append(attn.register_forward_hook(partial(_hf_hook, recorder, i)).remove)
     elif spec.family == "timm":
         for i, block in enumerate(blocks):
             attn = getattr(block, "attn", None)
@@ -903,7 +904,10 @@ def _run_rank(args: argparse.Namespace) -> int:
         if args.no_progress and not bars_were_off:
             hf_logging.enable_progress_bar()
 
-    spec = find_plugin(model).part_spec(model, args.part, MoDConfig())
+    try:
+        spec = find_plugin(model).part_spec(model, args.part, MoDConfig())
+    except ValueError as e:  # a part this family cannot route (Qwen's packed vision tower)
+        raise RankInputError(str(e)) from None
     num_layers = len(spec.blocks)
     try:
         _check_selection(num_layers, args.select, args.threshold, args.keep_first, args.keep_last)
