@@ -12,6 +12,9 @@ that it holds for any checkpoint of a family:
   high-resolution grid (h rows of w cells, each row followed by a newline token) unpadded to the
   picture's aspect ratio.
 - Video models: T frames of equal square grids (pooled), OneVision with one newline at the end.
+- Families whose plugin knows its layout (`vlmod.plugins.decoder.token_grids`): Qwen2.5-VL /
+  Qwen3-VL from `image_grid_thw` / `video_grid_thw` (dynamic resolution, 2x2 merged patches; a
+  video's temporal step covers two frames), InternVL's tiles and thumbnail, Gemma 3's pooled grid.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ class View:
     rows: int
     cols: int
     tokens: list[int]  # sequence positions, row-major, rows * cols of them
+    cell: int | None = None  # model input pixels per token side, where the family's plugin says
 
 
 @dataclass
@@ -91,20 +95,34 @@ class LoadedModel:
             "architecture": type(self.model).__name__,
             "video": self.supports_video,
             "language_layers": text.num_hidden_layers,
-            "vision_layers": vision.num_hidden_layers,
+            "vision_layers": _depth(vision),
             "mod_layers": self.mod_layers,
             "capacities": capacities,
             "parameters": sum(p.numel() for p in self.model.parameters()),
             "dense": None if self.dense_path is None else _name(self.dense_path),
             "input_size": dict(zip(("width", "height"), self.input_size(), strict=True)),
-            "patch_size": vision.patch_size,
+            "patch_size": _side(vision.patch_size),
             "warm": self.warm_up_s is not None,
         }
 
     def input_size(self) -> tuple[int, int]:
-        """(width, height) in pixels of one picture as the vision tower takes it."""
-        side = self.model.config.vision_config.image_size
-        return (side, side)
+        """(width, height) in pixels of one picture as the vision tower takes it (a dynamic-resolution
+        family, Qwen: the largest square its processor keeps)."""
+        vision = self.model.config.vision_config
+        side = getattr(vision, "image_size", None)
+        if side is None:
+            size = getattr(self.processor.image_processor, "size", None) or {}
+            unit = _side(vision.patch_size) * getattr(vision, "spatial_merge_size", 1)
+            side = max(unit, math.isqrt(int(_get(size, "longest_edge") or 448 * 448)) // unit * unit)
+        return (_side(side), _side(side))
+
+
+def _side(size: Any) -> int:
+    return int(size[0] if isinstance(size, (list, tuple)) else size)
+
+
+def _depth(vision_config: Any) -> int:
+    return getattr(vision_config, "depth", None) or vision_config.num_hidden_layers
 
 
 def _name(path: Path | str) -> str:
@@ -140,7 +158,7 @@ def load_model(path: str | Path, dense_path: str | Path | None = None, device: s
 
 def _base_side(model: nn.Module) -> int:
     vision = model.config.vision_config
-    return vision.image_size // vision.patch_size
+    return _side(vision.image_size) // _side(vision.patch_size)
 
 
 def image_views(n: int, side: int, aspect: float) -> list[View]:
@@ -207,8 +225,11 @@ def seen_region(picture: Image.Image, processor: Any) -> Image.Image:
 
 
 def model_resolution(processor: Any, view: View, patch_size: int) -> tuple[int, int]:
-    """(width, height) of the pixels the model takes for one picture: the processor's crop or fixed
-    size, else (anyres) the first grid's cells times the patch size."""
+    """(width, height) of the pixels the model takes for one picture: the grid's own cells where the
+    family's plugin laid it out, else the processor's crop or fixed size, else (anyres) the first
+    grid's cells times the patch size."""
+    if view.cell:
+        return (view.cols * view.cell, view.rows * view.cell)
     if getattr(processor, "do_center_crop", False) and not getattr(processor, "image_grid_pinpoints", None):
         ch, cw = _hw(getattr(processor, "crop_size", None))
         if ch and cw:
@@ -269,7 +290,8 @@ def build_inputs(loaded: LoadedModel, media: Media, prompt: str) -> tuple[dict[s
         video = np.stack([np.asarray(f) for f in media.frames])
         inputs = processor(videos=[video], text=[text], return_tensors="pt")
     else:
-        inputs = processor(images=list(media.frames), text=[text], return_tensors="pt")
+        # Nested per prompt: what every family's processor takes (Gemma 3's requires it).
+        inputs = processor(images=[list(media.frames)], text=[text], return_tensors="pt")
     device = next(loaded.model.parameters()).device
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}, as_video
 
@@ -380,18 +402,18 @@ def analyze(
     types = trace.part_token_types("language")[0, :seq_len].cpu()
     vision_types = trace.part_token_types("vision").cpu() if "vision" in loaded.mod_layers else None
 
-    media_views = _layout(loaded, media, types, as_video)
+    media_views = _layout(loaded, media, types, as_video, inputs)
     text_cfg, vision_cfg = model.config.text_config, model.config.vision_config
     lang_mod = loaded.mod_layers.get("language", [])
     vis_mod = loaded.mod_layers.get("vision", [])
-    n_layers, n_vis_layers = text_cfg.num_hidden_layers, vision_cfg.num_hidden_layers
+    n_layers, n_vis_layers = text_cfg.num_hidden_layers, _depth(vision_cfg)
 
     items = []
     picture_processor = _picture_processor(loaded.processor, as_video)
     for i, (picture, views) in enumerate(zip(media.frames, media_views, strict=True)):
         box = seen_box(picture.size, picture_processor)
         shown = picture if box == (0, 0, *picture.size) else picture.crop(box)
-        model_w, model_h = model_resolution(picture_processor, views[0], vision_cfg.patch_size)
+        model_w, model_h = model_resolution(picture_processor, views[0], _side(vision_cfg.patch_size))
         item: dict[str, Any] = {
             "index": i,
             "time_s": media.timestamps[i] if media.kind == "video" and i < len(media.timestamps) else None,
@@ -470,12 +492,23 @@ def _picture_processor(processor: Any, as_video: bool) -> Any:
     return processor.image_processor
 
 
-def _layout(loaded: LoadedModel, media: Media, types: torch.Tensor, as_video: bool) -> list[list[View]]:
+def _layout(
+    loaded: LoadedModel, media: Media, types: torch.Tensor, as_video: bool, inputs: dict[str, Any]
+) -> list[list[View]]:
     """Per picture, its views with sequence positions of their tokens."""
+    from vlmod.plugins.decoder import token_grids
+
     kind = TokenType.VIDEO if as_video else TokenType.IMAGE
     positions = torch.nonzero(types == kind).flatten().tolist()
     n, frames = len(positions), len(media.frames)
-    if as_video:
+    grids = token_grids(loaded.model, inputs, [picture.size for picture in media.frames], as_video)
+    if grids is not None:
+        local = [[View(g.name, g.rows, g.cols, g.tokens, g.cell) for g in views] for views in grids]
+        if as_video and local:  # a temporal step of merged patches covers several frames
+            local = [local[f * len(local) // frames] for f in range(frames)]
+        if len(local) != frames or any(t >= n for views in local for v in views for t in v.tokens):
+            raise AnalysisError(f"the {len(local)} token grids of this model do not fit {frames} picture(s) of {n} tokens")
+    elif as_video:
         local = video_views(n, frames)
     else:
         if n % frames:
@@ -486,7 +519,7 @@ def _layout(loaded: LoadedModel, media: Media, types: torch.Tensor, as_video: bo
         for f, picture in enumerate(media.frames):
             views = image_views(per, side, picture.width / picture.height)
             local.append([View(v.name, v.rows, v.cols, [t + f * per for t in v.tokens]) for v in views])
-    return [[View(v.name, v.rows, v.cols, [positions[t] for t in v.tokens]) for v in views] for views in local]
+    return [[View(v.name, v.rows, v.cols, [positions[t] for t in v.tokens], v.cell) for v in views] for views in local]
 
 
 def _view_json(view: View, layers: list[int], prefill: dict, part: str) -> dict[str, Any]:
