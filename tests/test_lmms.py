@@ -1,8 +1,8 @@
 """The lmms-eval model `vlmod` (vlmod/lmms.py): lmms-eval's own command line on a tiny converted
 checkpoint and a local task, and the model class on a dense checkpoint, batches and video.
 
-lmms-eval is the `lmms` extra; it pins `av<16`, so it lives in its own venv (README, lmms-eval)
-and these tests skip where it is not installed.
+lmms-eval is the `lmms` extra, which the README's set-up line installs; these tests skip where it
+is not installed.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 lmms_eval = pytest.importorskip(
-    "lmms_eval", reason="lmms-eval is not installed: it lives in its own venv, see the README's lmms-eval section"
+    "lmms_eval", reason='lmms-eval is not installed: pip install -e ".[lmms]" (README, lmms-eval)'
 )
 
 import vlmod  # noqa: E402
