@@ -45,6 +45,7 @@ def test_recipe_writes_every_method_at_every_compute_point(task: str, image_run:
     tower = next(r for r in rows if r["method"] == "learned+vision")
     assert tower["gflops"]["vision"] < dense["gflops"]["vision"]
     if task == "video":
+        assert "train on images" in saved["stage_seconds"]  # the video model starts from the image stage
         frames = [r for r in rows if r["method"] == "frames"]
         assert all(r["gflops"]["vision"] < dense["gflops"]["vision"] for r in frames)
         assert "direction*" in (out / "results.md").read_text()
@@ -97,3 +98,25 @@ def test_synthetic_finetune_configs_match_the_recipe(task: str, prefix: str) -> 
     assert dense.trainable == "full" and dense.train_vision_tower and dense.num_frames == s.frames
     assert (mod.lr, mod.router_lr, mod.max_steps, mod.batch_size) == (s.mod_lr, s.router_lr, s.mod_steps, s.batch_size)
     assert mod.trainable == "language" and not mod.train_vision_tower
+    if task == "video":
+        images = TrainConfig.from_dict(read_yaml_mapping(root / "synthetic-video-images.yaml", TrainError))
+        assert (images.lr, images.max_steps, images.batch_size) == (s.dense_lr, s.image_steps, s.image_batch_size)
+        assert dense.model.endswith("init-images") and images.output_dir.endswith("image")
+
+
+def test_the_video_model_starts_from_every_weight_of_the_image_stage() -> None:
+    """copy_weights: a LLaVA's weights fill a LLaVA-NeXT-Video of the same sizes (all but the
+    image-newline vector it lacks); other sizes are one error line."""
+    import torch
+
+    from vlmod import tiny
+    from vlmod.errors import InputError
+
+    image, _ = tiny.build("llava", width=32, layers=2, vision_width=32, patch_size=8, seed=0)
+    video, _ = tiny.build("llava_next_video", width=32, layers=2, vision_width=32, patch_size=8, seed=1)
+    assert tiny.copy_weights(image, video) == ["model.image_newline"]
+    theirs = image.state_dict()
+    assert all(torch.equal(v, theirs[k]) for k, v in video.state_dict().items() if k in theirs)
+    wider, _ = tiny.build("llava_next_video", width=64, layers=2, vision_width=32, patch_size=8)
+    with pytest.raises(InputError, match="other sizes"):
+        tiny.copy_weights(image, wider)

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from vlmod.errors import InputError
+
 FAMILIES = ("llava", "llava_mistral", "llava_next", "llava_next_video", "llava_onevision")
 # Beyond LLaVA (issue 16): built by `_build_vlm`, with the special tokens of each family.
 VLM_FAMILIES = ("qwen2_5_vl", "qwen3_vl", "internvl", "gemma3")
@@ -307,6 +309,16 @@ def save(family: str, directory: str | Path, **kwargs: Any) -> Path:
     return directory
 
 
+def copy_weights(source: torch.nn.Module, target: torch.nn.Module) -> list[str]:
+    """Load every weight of `source` into `target` (same names and shapes: a LLaVA into a
+    LLaVA-NeXT-Video of the same sizes); the names `target` has and `source` lacks."""
+    theirs, ours = source.state_dict(), target.state_dict()
+    bad = [k for k, v in theirs.items() if k not in ours or ours[k].shape != v.shape]
+    if bad:
+        raise InputError(f"cannot start from a model of other sizes: {len(bad)} weights differ (first: {bad[0]})")
+    return list(target.load_state_dict(theirs, strict=False).missing_keys)
+
+
 def add_tiny_arguments(parser: Any) -> Any:
     """The flags of `vlmod tiny`: a randomly initialised tiny model saved like a hub checkpoint,
     the starting point of training from scratch (the synthetic recipe) and of offline tests."""
@@ -326,13 +338,14 @@ def add_tiny_arguments(parser: Any) -> Any:
     parser.add_argument("--vision-feature-layer", type=int, default=None,
                         help="tower layer feeding the projector (default: the family's, -2 for CLIP, -1 for SigLIP)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--init-from", default=None, metavar="DIR",
+                        help="start from the weights of this checkpoint of the same sizes (e.g. a trained LLaVA "
+                             "into a LLaVA-NeXT-Video: the video recipe's image stage; default: random)")
     parser.set_defaults(run=run_tiny)
     return parser
 
 
 def run_tiny(args: Any) -> int:
-    from vlmod.errors import InputError
-
     if args.width % args.heads or args.heads % args.kv_heads:
         raise InputError(
             f"--width ({args.width}) must be a multiple of --heads ({args.heads}), and --heads of --kv-heads ({args.kv_heads})"
@@ -350,6 +363,10 @@ def run_tiny(args: Any) -> int:
         image_size=args.image_size, patch_size=args.patch_size, vision_feature_layer=args.vision_feature_layer,
         seed=args.seed,
     )
+    if args.init_from is not None:
+        from vlmod.hf import load_pretrained
+
+        copy_weights(load_pretrained(args.init_from), model)
     tmp = out.with_name(out.name + ".tmp")
     model.save_pretrained(tmp)
     processor.save_pretrained(tmp)
