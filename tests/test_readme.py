@@ -81,6 +81,8 @@ def _commands(code: str) -> list[tuple[str, list[str]]]:
 
 def _vlmod_argv(words: list[str]) -> list[str] | None:
     for i, word in enumerate(words):
+        if i and words[i - 1].startswith("-"):
+            continue  # a flag's value (`lmms-eval --model vlmod`), not the program
         if word == "vlmod" or word.endswith("/bin/vlmod"):
             return words[i + 1:]
         if word in SCRIPTS:
