@@ -1,5 +1,6 @@
 """vlmod: Mixture-of-Depths routing for existing vision-language models."""
 
+from vlmod.cache import PreallocatedCache, preallocated_cache
 from vlmod.config import MoDConfig, TokenType
 from vlmod.hf import load_pretrained
 from vlmod.routing import (
@@ -17,10 +18,12 @@ __version__ = "0.1.0"
 
 __all__ = [
     "MoDConfig",
+    "PreallocatedCache",
     "TokenType",
     "apply_mod",
     "load_pretrained",
     "mod_layers",
+    "preallocated_cache",
     "remove_mod",
     "router_aux_loss",
     "set_capacity",

@@ -1,0 +1,124 @@
+"""The preallocated KV cache: generation identical to DynamicCache's, dense and MoD, with no
+concatenation and no host sync in a decode step."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from test_decode import ROUTING_OPS, CountOps, count_syncs
+from transformers import DynamicCache
+
+import vlmod
+from vlmod import tiny
+from vlmod.cache import PreallocatedCache, PreallocatedLayer
+
+NEW_TOKENS = 5
+GENERATE = dict(
+    max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0, output_logits=True,
+    return_dict_in_generate=True,
+)
+
+
+def _prompt(processor, media: str, question: str) -> str:
+    conversation = [{"role": "user", "content": [{"type": media}, {"type": "text", "text": question}]}]
+    return processor.apply_chat_template(conversation, add_generation_prompt=True)
+
+
+def _inputs(processor, family: str) -> dict:
+    """Batch 2, prompts of different lengths (left padding)."""
+    rng = np.random.RandomState(0)
+    questions = ["what color", "how many objects are in the picture ? answer with one word"]
+    if family == "llava_next_video":
+        videos = [(rng.rand(4, 32, 32, 3) * 255).astype("uint8") for _ in questions]
+        prompts = [_prompt(processor, "video", q) for q in questions]
+        inputs = processor(videos=videos, text=prompts, return_tensors="pt", padding=True)
+    else:
+        images = [Image.fromarray((rng.rand(32, 32, 3) * 255).astype("uint8")) for _ in questions]
+        prompts = [_prompt(processor, "image", q) for q in questions]
+        inputs = processor(images=images, text=prompts, return_tensors="pt", padding=True)
+    inputs = dict(inputs)
+    assert (inputs["attention_mask"] == 0).any()
+    return inputs
+
+
+@pytest.fixture(scope="module", params=["llava", "llava_next_video"])
+def family(request: pytest.FixtureRequest):
+    model, processor = tiny.build(request.param)
+    return model.eval(), _inputs(processor, request.param)
+
+
+@pytest.mark.parametrize("capacity", [None, 0.5, 1.0])
+def test_generate_matches_dynamic_cache(family, capacity: float | None):
+    model, inputs = family
+    if capacity is not None:
+        model = vlmod.apply_mod(copy.deepcopy(model), vlmod.MoDConfig(capacity=capacity))
+    cache = vlmod.preallocated_cache(model, NEW_TOKENS)
+    with torch.inference_mode():
+        a = model.generate(**inputs, **GENERATE)
+        b = model.generate(**inputs, **GENERATE, past_key_values=cache)
+    assert torch.equal(a.sequences, b.sequences)
+    for x, y in zip(a.logits, b.logits, strict=True):
+        assert torch.allclose(x, y, atol=1e-6, rtol=1e-6), (x - y).abs().max()
+    # Each layer holds what DynamicCache holds (MoD layers fewer tokens), in a buffer sized once.
+    prompt = inputs["input_ids"].shape[1]
+    for ours, theirs in zip(b.past_key_values.layers, a.past_key_values.layers, strict=True):
+        assert isinstance(ours, PreallocatedLayer)
+        assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
+        filled = ours.get_seq_length()
+        assert ours.capacity == filled + 1  # prefill + max_new_tokens; the last token is never cached
+    if capacity == 0.5:
+        assert min(layer.get_seq_length() for layer in cache.layers) < prompt + NEW_TOKENS - 1
+
+
+@pytest.mark.parametrize("capacity", [None, 0.5])
+def test_decode_step_writes_in_place_without_host_sync(family, capacity: float | None):
+    model, inputs = family
+    if capacity is not None:
+        model = vlmod.apply_mod(copy.deepcopy(model), vlmod.MoDConfig(capacity=capacity))
+    counts = {}
+    for name, cache in (("dynamic", DynamicCache(config=model.config)), ("prealloc", vlmod.preallocated_cache(model, 4))):
+        with torch.inference_mode():
+            out = model(**inputs, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+            mask = torch.cat([inputs["attention_mask"], torch.ones_like(token)], dim=1)
+            with count_syncs() as syncs, CountOps() as ops:
+                model(input_ids=token, attention_mask=mask, past_key_values=cache, use_cache=True)
+        counts[name] = syncs, ops.ops
+    (dyn_syncs, dyn_ops), (pre_syncs, pre_ops) = counts["dynamic"], counts["prealloc"]
+    assert pre_syncs == dyn_syncs, (pre_syncs, dyn_syncs)
+    layers = model.config.text_config.num_hidden_layers
+    # DynamicCache concatenates K and V of every layer; the preallocated cache copies into place.
+    assert dyn_ops["cat"] - pre_ops["cat"] == 2 * layers, (dyn_ops["cat"], pre_ops["cat"])
+    assert pre_ops["copy_"] - dyn_ops["copy_"] == 2 * layers
+    assert not ROUTING_OPS & {op for op, n in pre_ops.items() if n > dyn_ops.get(op, 0)}
+
+
+def test_grows_past_max_new_tokens_crops_and_resets(family):
+    model, inputs = family
+    mod = vlmod.apply_mod(copy.deepcopy(model), vlmod.MoDConfig(capacity=0.5))
+    with torch.inference_mode():
+        a = mod.generate(**inputs, **GENERATE)
+        cache = vlmod.preallocated_cache(mod, 1)  # too small: grows once per layer, stays exact
+        b = mod.generate(**inputs, **GENERATE, past_key_values=cache)
+    assert torch.equal(a.sequences, b.sequences)
+    layer = cache.layers[1]
+    n = layer.get_seq_length()
+    kept = layer.keys[..., : n - 2, :].clone()
+    cache.crop(-2)
+    assert layer.get_seq_length() == n - 2 and torch.equal(layer.keys, kept)
+    cache.reset()
+    assert cache.get_seq_length(1) == 0 and layer.capacity > 0
+
+
+def test_api_and_refusals():
+    model, _ = tiny.build("llava")
+    cache = vlmod.preallocated_cache(model, 8)
+    assert isinstance(cache, PreallocatedCache) and isinstance(cache, DynamicCache)
+    assert len(cache.layers) == model.config.text_config.num_hidden_layers
+    assert cache.get_seq_length() == 0 and cache.allocated_bytes() == 0
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        vlmod.preallocated_cache(model, -1)
