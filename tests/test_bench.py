@@ -12,9 +12,18 @@ import torch
 
 import vlmod
 from vlmod import tiny
-from vlmod.bench import Timings, contention, format_generation_result, peak_memory_bytes, signed_percent
+from vlmod.bench import (
+    Timings,
+    bench_llava,
+    bench_video,
+    contention,
+    format_generation_result,
+    peak_memory_bytes,
+    signed_percent,
+)
 from vlmod.bench.generation import prompt_counts
 from vlmod.cli import main
+from vlmod.errors import InputError
 
 FAST = ["--warmup", "0", "--repeats", "2", "--no-progress", "--threads", "1"]
 
@@ -76,6 +85,26 @@ def test_bench_llava_one_new_token_has_no_decode_figure(tmp_path, capsys):
     result = json.loads(out.read_text())
     assert result["dense"]["decode_tokens_per_s"] is None and result["decode_speedup"] is None
     assert "no decode step to time" in printed and "e+" not in printed
+
+
+def test_bench_restores_the_thread_count_and_records_its_cache(tmp_path, capsys):
+    """`--threads 1` holds only while the benchmark runs, also when it fails; `--cache` picks the
+    KV cache both models generate with (default: preallocated)."""
+    torch.set_num_threads(2)
+    out = tmp_path / "bench.json"
+    argv = ["bench", "llava", "--preset", "tiny", "--new-tokens", "2", "--cache", "dynamic", "--json", str(out), *FAST]
+    assert main(argv) == 0
+    assert torch.get_num_threads() == 2
+    assert "dynamic KV cache" in capsys.readouterr().out
+    assert json.loads(out.read_text())["cache"] == "dynamic"
+    with pytest.raises(InputError, match="cache must be one of"):
+        bench_llava(preset="tiny", cache="static", threads=1)
+    with pytest.raises(InputError):  # fails after the threads were set: no checkpoint there
+        bench_llava(model=str(tmp_path / "missing"), threads=1)
+    assert torch.get_num_threads() == 2
+    with pytest.raises(InputError):
+        bench_video(model=str(tmp_path / "missing"), threads=1)
+    assert torch.get_num_threads() == 2
 
 
 def test_bench_vit_image_smaller_than_a_patch_is_one_error_line(capsys):

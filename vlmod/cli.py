@@ -20,6 +20,8 @@ from typing import Any, NoReturn
 
 from vlmod.argtypes import HelpFormatter, device, non_negative_int, option, port, positive_float, positive_int
 from vlmod.bench import (
+    CACHES,
+    DEFAULT_CACHE,
     LLAVA_PRESETS,
     VIDEO_PRESETS,
     bench_llava,
@@ -167,6 +169,14 @@ def _add_timing_arguments(p: argparse.ArgumentParser, warmup: int, repeats: int)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def _add_cache_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--cache", choices=CACHES, default=DEFAULT_CACHE,
+        help="KV cache both models generate with: preallocated (vlmod.preallocated_cache, written in place) "
+        f"or dynamic (transformers' DynamicCache, concatenated every step) (default: {DEFAULT_CACHE})",
+    )
+
+
 def add_bench_llava_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
     """`vlmod bench llava`: dense vs MoD prefill, decode and KV cache of a LLaVA model."""
     p = subparsers.add_parser(
@@ -193,6 +203,7 @@ def add_bench_llava_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
     option(p, "--batch-size", aliases=("--batch",), dest="batch", type=positive_int, default=1,
            help="prompts per batch (default: 1)")
     p.add_argument("--new-tokens", type=positive_int, default=16, help="tokens to generate (default: 16)")
+    _add_cache_argument(p)
     _add_timing_arguments(p, warmup=1, repeats=5)
     p.set_defaults(run=run_bench_llava, model_flags=MODEL_FLAG)
     return p
@@ -202,7 +213,7 @@ def run_bench_llava(args: argparse.Namespace) -> int:
     result = bench_llava(
         model=args.model, preset=args.preset, capacity=args.capacity, layers=args.layers, batch=args.batch,
         new_tokens=args.new_tokens, warmup=args.warmup, repeats=args.repeats, threads=args.threads,
-        progress=not args.no_progress,
+        progress=not args.no_progress, cache=args.cache,
     )
     print(format_generation_result(result))
     if args.json:
@@ -241,6 +252,7 @@ def add_bench_video_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
         "a converted --model is measured with its own)",
     )
     p.add_argument("--new-tokens", type=positive_int, default=16, help="tokens to generate (default: 16)")
+    _add_cache_argument(p)
     _add_timing_arguments(p, warmup=1, repeats=5)
     p.set_defaults(run=run_bench_video, model_flags=MODEL_FLAG)
     return p
@@ -250,7 +262,7 @@ def run_bench_video(args: argparse.Namespace) -> int:
     result = bench_video(
         model=args.model, preset=args.preset, video=args.video, frames=args.frames, batch=args.batch,
         capacity=args.capacity, layers=args.layers, new_tokens=args.new_tokens, warmup=args.warmup,
-        repeats=args.repeats, threads=args.threads, progress=not args.no_progress,
+        repeats=args.repeats, threads=args.threads, progress=not args.no_progress, cache=args.cache,
     )
     print(format_video_result(result))
     if args.json:

@@ -9,7 +9,9 @@ decode), `video`, `report` (tables).
 """
 
 from vlmod.bench.generation import (
+    CACHES,
     CPU_7B_SHAPES,
+    DEFAULT_CACHE,
     LLAVA_PRESETS,
     TINY_SHAPES,
     StepClock,
@@ -41,7 +43,9 @@ from vlmod.bench.vit import SOURCES, bench_vit, build_vit
 from vlmod.flops import generation_flops  # re-exported: eval and the demo import it from here
 
 __all__ = [
+    "CACHES",
     "CPU_7B_SHAPES",
+    "DEFAULT_CACHE",
     "LLAVA_PRESETS",
     "SOURCES",
     "TINY_SHAPES",

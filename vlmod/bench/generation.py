@@ -24,6 +24,7 @@ from vlmod.bench.timing import (
     Contention,
     Timings,
     contention,
+    keeps_threads,
     load_average,
     peak_memory_bytes,
     set_threads,
@@ -49,6 +50,21 @@ LLAVA_PRESETS: dict[str, dict[str, Any]] = {
 }
 DEFAULT_CAPACITY = 0.5
 DEFAULT_LAYERS = "every_other"
+# KV caches generate can run with: vlmod's preallocated one (written in place, see vlmod.cache) or
+# transformers' DynamicCache (K and V concatenated every step).
+CACHES = ("preallocated", "dynamic")
+DEFAULT_CACHE = "preallocated"
+
+
+def check_cache(cache: str) -> None:
+    if cache not in CACHES:
+        raise ValueError(f"cache must be one of {', '.join(CACHES)}, got {cache!r}")
+
+
+def cache_kwargs(model: nn.Module, cache: str, new_tokens: int) -> dict[str, Any]:
+    """What one forward or generate call of `model` takes to run with a fresh cache of kind `cache`."""
+    check_cache(cache)
+    return {"past_key_values": vlmod.preallocated_cache(model, new_tokens)} if cache == "preallocated" else {}
 
 
 def build_preset(preset: str | None, presets: Mapping[str, Mapping[str, Any]]) -> tuple[nn.Module, Any, int]:
@@ -198,9 +214,11 @@ def bench_generation(
     repeats: int = 5,
     progress: bool = True,
     pad_token_id: int = 0,
+    cache: str = DEFAULT_CACHE,
 ) -> dict[str, Any]:
     """Prefill latency, decode per step, KV-cache bytes, peak memory of generate and FLOPs of a
-    dense LLaVA model and its MoD conversion on the same processed inputs (runs interleaved)."""
+    dense LLaVA model and its MoD conversion on the same processed inputs (runs interleaved), both
+    with a KV cache of kind `cache` (`CACHES`)."""
     from transformers import LogitsProcessorList
 
     batch = inputs["input_ids"].shape[0]
@@ -208,14 +226,16 @@ def bench_generation(
     models = {"dense": dense, "mod": mod}
     gen = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad_token_id)
     prefill = time_interleaved(
-        {n: (lambda m=m: m(**inputs, use_cache=True, logits_to_keep=1)) for n, m in models.items()},
+        {n: (lambda m=m: m(**inputs, **cache_kwargs(m, cache, new_tokens), use_cache=True, logits_to_keep=1))
+         for n, m in models.items()},
         warmup=warmup, repeats=repeats, progress="prefill dense/MoD" if progress else None,
     )
     clocks = {name: StepClock() for name in models}
 
     def generate(name: str) -> None:
+        kv = cache_kwargs(models[name], cache, new_tokens)
         clocks[name].start()
-        models[name].generate(**inputs, **gen, logits_processor=LogitsProcessorList([clocks[name]]))
+        models[name].generate(**inputs, **gen, **kv, logits_processor=LogitsProcessorList([clocks[name]]))
 
     timings = time_interleaved(
         {n: (lambda n=n: generate(n)) for n in models},
@@ -223,7 +243,10 @@ def bench_generation(
     )
     prefill_judged = contention(prefill)
     decode, decode_judged, paired = decode_figures(clocks, timings, repeats, batch)
-    peaks = {n: peak_memory_bytes(lambda m=m: m.generate(**inputs, **gen)) for n, m in models.items()}
+    peaks = {
+        n: peak_memory_bytes(lambda m=m: m.generate(**inputs, **gen, **cache_kwargs(m, cache, new_tokens)))
+        for n, m in models.items()
+    }
     result: dict[str, Any] = {}
     for name in models:
         result[name] = {
@@ -240,6 +263,7 @@ def bench_generation(
         timed_repeats={"prefill": prefill_judged.clean_repeats, "generate": decode_judged.clean_repeats},
         repeats=repeats,
         warmup=warmup,
+        cache=cache,
     )
     return result
 
@@ -291,6 +315,7 @@ def prompt_counts(inputs: Mapping[str, Any], media_token_id: int | None) -> tupl
     return int(media.sum()), int((mask & ~media).sum())
 
 
+@keeps_threads
 def bench_llava(
     model: str | None = None,
     preset: str | None = "llava-1.5",
@@ -302,11 +327,14 @@ def bench_llava(
     repeats: int = 5,
     threads: int | None = None,
     progress: bool = True,
+    cache: str = DEFAULT_CACHE,
 ) -> dict[str, Any]:
     """Dense vs MoD generation of a LLaVA model on synthetic images and a prompt.
 
     capacity / layers: how to convert a preset or a plain checkpoint (None: 0.5, every other
     layer). A checkpoint saved converted is measured with its own MoD layers (see `build_pair`).
+    cache: the KV cache both models generate with (`CACHES`). threads: torch's intra-op threads
+    while the benchmark runs (the caller's count is restored afterwards).
     """
     try:
         if capacity is not None or layers is not None:
@@ -318,6 +346,7 @@ def bench_llava(
             raise ValueError(f"batch and new_tokens must be >= 1, got {batch} and {new_tokens}")
         if repeats < 1 or warmup < 0:
             raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
+        check_cache(cache)
         num_threads = set_threads(threads)
     except ValueError as e:
         raise InputError(str(e)) from e
@@ -330,7 +359,7 @@ def bench_llava(
     )
     tokenizer = getattr(processor, "tokenizer", processor)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    result = bench_generation(dense, mod, inputs, new_tokens, warmup, repeats, progress, pad)
+    result = bench_generation(dense, mod, inputs, new_tokens, warmup, repeats, progress, pad, cache)
     image_tokens, prompt_tokens = prompt_counts(inputs, dense.config.image_token_id)
     result.update(
         benchmark="llava",

@@ -144,8 +144,8 @@ def format_generation_result(result: Mapping[str, Any]) -> str:
     header = (
         f"{result['model']}: batch {result['batch']}, {result['image_tokens']} vision + "
         f"{result['prompt_tokens']} text tokens, MoD: {describe_layers(result['mod_layers'])} "
-        f"({result['mod_source']}), {result['new_tokens']} new tokens, torch {result['torch']}, "
-        f"{_threads(result['threads'])}"
+        f"({result['mod_source']}), {result['new_tokens']} new tokens, {result.get('cache', 'dynamic')} KV cache, "
+        f"torch {result['torch']}, {_threads(result['threads'])}"
     )
     table = format_table(
         ["model", "prefill ms", "decode ms/step", "decode tok/s", "KV cache MiB", "peak MiB", "GFLOPs/seq"], rows
@@ -183,8 +183,8 @@ def format_video_result(result: Mapping[str, Any]) -> str:
         f"{result['model']}: {result['video']}; batch {result['batch']} x {result['frames']} frames, "
         f"{result['video_tokens']} video + {result['prompt_tokens']} text tokens per sequence, "
         f"MoD: {describe_layers(result['mod_layers'])} of {result['language_layers']} language layers "
-        f"({result['mod_source']}), {result['new_tokens']} new tokens, torch {result['torch']}, "
-        f"{_threads(result['threads'])}, median of {len(result['timed_repeats']['end_to_end'])}/"
+        f"({result['mod_source']}), {result['new_tokens']} new tokens, {result.get('cache', 'dynamic')} KV cache, "
+        f"torch {result['torch']}, {_threads(result['threads'])}, median of {len(result['timed_repeats']['end_to_end'])}/"
         f"{result['repeats']} repeats"
     )
     table = format_table(

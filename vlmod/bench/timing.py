@@ -19,6 +19,7 @@ together. Where there is no `/proc/stat`, CPU time / wall time is the fallback.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import statistics
 import sys
@@ -234,12 +235,30 @@ def load_average() -> list[float] | None:
 
 
 def set_threads(threads: int | None) -> int:
-    """Set torch's intra-op threads (None: leave them) and return the count in use."""
+    """Set torch's intra-op threads (None: leave them) and return the count in use. Only inside a
+    function wrapped by `keeps_threads`, which gives the caller its own count back."""
     if threads is not None:
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
         torch.set_num_threads(threads)
     return torch.get_num_threads()
+
+
+def keeps_threads(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A benchmark entry point that may change torch's thread count (`set_threads`): the caller's
+    count is restored when it returns or raises, so the kernels (and last bits) of whatever runs
+    next in the process do not depend on a benchmark having run."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        threads = torch.get_num_threads()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
+
+    return wrapper
 
 
 @contextlib.contextmanager

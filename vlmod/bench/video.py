@@ -18,10 +18,13 @@ from torch import nn
 import vlmod
 from vlmod.bench.generation import (
     CPU_7B_SHAPES,
+    DEFAULT_CACHE,
     DEFAULT_CAPACITY,
     TINY_SHAPES,
     StepClock,
     build_pair,
+    cache_kwargs,
+    check_cache,
     decode_figures,
     generation_footprint,
     model_figures,
@@ -29,7 +32,14 @@ from vlmod.bench.generation import (
     speedups,
 )
 from vlmod.bench.inputs import parse_layers, prompt_text, synthetic_clip
-from vlmod.bench.timing import contention, load_average, peak_memory_bytes, set_threads, time_interleaved
+from vlmod.bench.timing import (
+    contention,
+    keeps_threads,
+    load_average,
+    peak_memory_bytes,
+    set_threads,
+    time_interleaved,
+)
 from vlmod.errors import InputError
 
 # LLaVA-NeXT-Video-7B's token shapes: a 336 px CLIP tower with 14 px patches (24 x 24 = 576 patches
@@ -85,6 +95,7 @@ def _describe_clip(path: Path) -> str:
     return f"{info.total_frames} frames, {width}x{height}, {info.fps:g} fps"
 
 
+@keeps_threads
 def bench_video(
     model: str | None = None,
     preset: str | None = "llava-next-video-7b",
@@ -98,6 +109,7 @@ def bench_video(
     repeats: int = 5,
     threads: int | None = None,
     progress: bool = True,
+    cache: str = DEFAULT_CACHE,
 ) -> dict[str, Any]:
     """Dense vs MoD video question answering, end to end.
 
@@ -110,6 +122,8 @@ def bench_video(
     capacity / layers: how to convert a preset or a plain checkpoint (None: 0.5 on every decoder
         layer but the first two and the last). A checkpoint saved converted is measured with its
         own MoD layers. video: a file, or None for a generated clip (`synthetic_clip`).
+    cache: the KV cache both models generate with (`vlmod.bench.generation.CACHES`). threads: torch's
+    intra-op threads while the benchmark runs (the caller's count is restored afterwards).
     """
     try:
         if capacity is not None or layers is not None:
@@ -121,6 +135,7 @@ def bench_video(
             raise ValueError(f"frames, batch and new_tokens must be >= 1, got {frames}, {batch} and {new_tokens}")
         if repeats < 1 or warmup < 0:
             raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
+        check_cache(cache)
         num_threads = set_threads(threads)
     except ValueError as e:
         raise InputError(str(e)) from e
@@ -143,7 +158,9 @@ def bench_video(
             words = VIDEO_PROMPT_WORDS
         if getattr(processor, "video_processor", None) is None:
             raise InputError(f"the processor of {model} has no video processor: it cannot prepare video inputs")
-        result = _time_video(dense, mod, processor, path, clip, words, batch, new_tokens, warmup, repeats, progress)
+        result = _time_video(
+            dense, mod, processor, path, clip, words, batch, new_tokens, warmup, repeats, progress, cache
+        )
     result.update(
         benchmark="video",
         model=model or f"preset:{preset}",
@@ -159,6 +176,7 @@ def bench_video(
         torch=torch.__version__,
         threads=num_threads,
         load_average=load_average(),
+        cache=cache,
     )
     return result
 
@@ -175,6 +193,7 @@ def _time_video(
     warmup: int,
     repeats: int,
     progress: bool,
+    cache: str,
 ) -> dict[str, Any]:
     """The timed part of `bench_video` (models built, clip checked)."""
     from transformers import LogitsProcessorList
@@ -204,9 +223,10 @@ def _time_video(
         videos = [load_video(path, num_frames=num_frames).frames for _ in range(batch)]
         t1 = time.perf_counter()
         batch_inputs = preprocess(videos)
+        kv = cache_kwargs(models[name], cache, new_tokens)
         clocks[name].start()
         t2 = time.perf_counter()
-        models[name].generate(**batch_inputs, **gen, logits_processor=LogitsProcessorList([clocks[name]]))
+        models[name].generate(**batch_inputs, **gen, **kv, logits_processor=LogitsProcessorList([clocks[name]]))
         t3 = time.perf_counter()
         ticks = clocks[name].calls[-1]
         stages[name].append((t1 - t0, t2 - t1, t3 - t2, ticks[1] - t2, ticks[-1] - ticks[1]))
@@ -215,7 +235,8 @@ def _time_video(
         {"decode": lambda: load_video(path, num_frames=num_frames)}, warmup=warmup, repeats=repeats
     )["decode"]
     prefill = time_interleaved(
-        {n: (lambda m=m: m(**inputs, use_cache=True, logits_to_keep=1)) for n, m in models.items()},
+        {n: (lambda m=m: m(**inputs, **cache_kwargs(m, cache, new_tokens), use_cache=True, logits_to_keep=1))
+         for n, m in models.items()},
         warmup=warmup, repeats=repeats, progress="prefill dense/MoD" if progress else None,
     )
     end_to_end = time_interleaved(
@@ -225,7 +246,10 @@ def _time_video(
     prefill_judged = contention(prefill)
     decode, e2e_judged, paired = decode_figures(clocks, end_to_end, repeats, batch)
     used = e2e_judged.clean_repeats
-    peaks = {n: peak_memory_bytes(lambda m=m: m.generate(**inputs, **gen)) for n, m in models.items()}
+    peaks = {
+        n: peak_memory_bytes(lambda m=m: m.generate(**inputs, **gen, **cache_kwargs(m, cache, new_tokens)))
+        for n, m in models.items()
+    }
     result: dict[str, Any] = {}
     for name in models:
         picked = [stages[name][-repeats:][i] for i in used]

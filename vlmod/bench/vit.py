@@ -13,7 +13,7 @@ from torch import nn
 
 import vlmod
 from vlmod.bench.inputs import parse_layers
-from vlmod.bench.timing import contention, load_average, set_threads, time_interleaved
+from vlmod.bench.timing import contention, keeps_threads, load_average, set_threads, time_interleaved
 from vlmod.errors import InputError
 from vlmod.flops import ViTDims, processed_counts, vit_flops
 
@@ -69,6 +69,7 @@ def _check_image_size(model: nn.Module, source: str, model_name: str) -> None:
         )
 
 
+@keeps_threads
 def bench_vit(
     model_name: str,
     source: str = "timm",
