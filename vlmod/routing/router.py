@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from vlmod.routing.selection import TokenLayout
@@ -17,35 +18,57 @@ class Router(nn.Linear):
         nn.init.zeros_(self.bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        """x [B, L, D] -> router logits [B, L]."""
-        if x.dtype != self.weight.dtype:  # a no-op .to() still costs a dispatch per layer and step
-            x = x.to(self.weight.dtype)
-        return super().forward(x).squeeze(-1)
+        """x [B, L, D] -> router logits [B, L], always float32.
+
+        The weights stay in the model's dtype (checkpoints and FSDP's flat parameters keep one
+        dtype), but the logits are computed in float32, also under autocast: in bfloat16 they
+        would carry 8 significant bits, so top-k would rank on ties and rounding. Only the
+        router's own copy of x is upcast; the tokens the block runs on keep their dtype."""
+        weight, bias = self.weight, self.bias
+        if weight.dtype != torch.float32:  # a no-op .float() still costs a dispatch per layer and step
+            weight, bias = weight.float(), bias.float()
+        if x.dtype != torch.float32:
+            x = x.float()
+        if torch.is_autocast_enabled(x.device.type):
+            with torch.autocast(x.device.type, enabled=False):
+                return F.linear(x, weight, bias).squeeze(-1)
+        return F.linear(x, weight, bias).squeeze(-1)
 
 
-def gate(scores: Tensor, kind: str, alpha: float) -> Tensor | None:
-    """g(r) per token, or None when g is identically 1."""
+def gate_offset(scores: Tensor, kind: str, alpha: float) -> Tensor | None:
+    """g(r) - 1 per token in float32, or None when g is identically 1.
+
+    The offset, not g itself, is what meets the token states: near g = 1 a bfloat16 g has a step
+    of 2^-7 (0.2 tanh(r) would have to exceed it before the gate moved at all), while the offset
+    in bfloat16 keeps 8 significant bits of its own size."""
+    scores = scores.float()
     if kind == "tanh":
-        return 1.0 + alpha * torch.tanh(scores)
+        return alpha * torch.tanh(scores)
     if kind == "sigmoid":
-        return 2.0 * torch.sigmoid(scores)
+        return torch.tanh(0.5 * scores)  # 2 sigmoid(r) - 1
     if kind == "none":
         return None
     raise ValueError(f"unknown gate {kind!r}")
 
 
+def gate(scores: Tensor, kind: str, alpha: float) -> Tensor | None:
+    """g(r) per token (float32), or None when g is identically 1."""
+    offset = gate_offset(scores, kind, alpha)
+    return None if offset is None else 1.0 + offset
+
+
 def gated_residual(x: Tensor, y: Tensor, scores: Tensor, kind: str, alpha: float) -> Tensor:
-    """x + g(r) (y - x) for token states x, y [B, K, D] and router logits r [B, K], as one
-    `torch.lerp`: for weights >= 0.5 it computes y - (y - x)(1 - g), so g == 1 gives y bit for bit
-    (a fresh conversion at capacity 1.0 is the upstream model exactly), and the gate stays on the
-    gradient path of the router."""
-    g = gate(scores, kind, alpha)
-    if g is None:
+    """x + g(r) (y - x) = y + (g(r) - 1) (y - x) for token states x, y [B, K, D] and router logits
+    r [B, K], in the dtype of y (never upcast): g == 1 gives y bit for bit (a fresh conversion at
+    capacity 1.0 is the upstream model exactly, in any dtype), and the gate stays on the gradient
+    path of the router. The offset g - 1 is computed in float32 and cast once (`gate_offset`)."""
+    offset = gate_offset(scores, kind, alpha)
+    if offset is None:
         return y
-    g = g.unsqueeze(-1)
-    if g.dtype != y.dtype:
-        g = g.to(y.dtype)
-    return torch.lerp(x, y, g)
+    offset = offset.unsqueeze(-1)
+    if offset.dtype != y.dtype:
+        offset = offset.to(y.dtype)
+    return torch.addcmul(y, y - x, offset)
 
 
 def selection_keys(
