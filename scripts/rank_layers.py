@@ -3,10 +3,10 @@
 which layers to convert to MoD: `vlmod rank` as a script.
 
     python scripts/rank_layers.py --model llava-hf/llava-1.5-7b-hf --data llava_v1_5_mix665k.json \\
-        --image-root data/ --num-samples 64 --batch-size 4 --out ranks.json --plot ranks.png
+        --image-root data/ --num-samples 64 --batch-size 4 --json ranks.json --plots ranks.png
 
     python scripts/rank_layers.py --model ./tiny-llava --data images/ --prompt "Describe the image." \\
-        --num-samples 16 --out ranks.json
+        --num-samples 16 --json ranks.json
 
 All flags: `python scripts/rank_layers.py --help`.
 """

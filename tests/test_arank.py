@@ -16,13 +16,8 @@ from PIL import Image
 
 import vlmod
 from vlmod import tiny
-from vlmod.arank import (
-    LayerRanks,
-    attention_ranks,
-    calibration_batches,
-    calibration_samples,
-    rank_layers,
-)
+from vlmod.arank import LayerRanks, attention_ranks, rank_layers
+from vlmod.calibration import calibration_batches, calibration_samples
 from vlmod.data import DataError, load_records
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -326,7 +326,7 @@ def add_convert_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
 
 
 def _arank_layers(args: argparse.Namespace, spec: str) -> list[int]:
-    from vlmod import arank
+    from vlmod import arank, rank_cli
 
     try:
         n = int(spec.split(":", 1)[1])
@@ -338,7 +338,7 @@ def _arank_layers(args: argparse.Namespace, spec: str) -> list[int]:
         return arank.LayerRanks.from_json(args.ranks).select(n=n)
     if not args.calib_data:
         raise UsageError("--layers arank:N needs --ranks ranks.json or --calib-data DATA")
-    return arank.rank_checkpoint(
+    return rank_cli.rank_checkpoint(
         args.model, args.calib_data, image_root=args.calib_image_root, prompt=args.calib_prompt,
         num_samples=args.calib_samples,
     ).select(n=n)
@@ -387,7 +387,7 @@ def run_convert(args: argparse.Namespace) -> int:
 
 def add_rank_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
     """`vlmod rank`: ARank of each layer, and the layers it suggests converting."""
-    from vlmod.arank import add_rank_arguments, run_rank
+    from vlmod.rank_cli import add_rank_arguments, run_rank
 
     p = _module_command(
         subparsers, "rank", add_rank_arguments,

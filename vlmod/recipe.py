@@ -219,13 +219,13 @@ def run_recipe(out: str | Path, settings: RecipeSettings | None = None, progress
     from transformers import AutoProcessor
 
     from vlmod import frontier, tiny
-    from vlmod.arank import rank_checkpoint
     from vlmod.config import MoDConfig
     from vlmod.convert import ConvertOptions, convert
     from vlmod.data.synthetic import generate
     from vlmod.eval import evaluate
     from vlmod.flops import DecoderDims, attention_router_flops
     from vlmod.hf import load_pretrained
+    from vlmod.rank_cli import rank_checkpoint
     from vlmod.reduction import PreLLMReduction, reduction_flops
     from vlmod.routing.api import apply_mod, set_capacity, set_router
     from vlmod.train import TrainConfig, train

@@ -1,0 +1,303 @@
+"""`vlmod rank`: calibrate a checkpoint, suggest the layers to convert, write the ranks as JSON
+(and a plot). The metric and the recording live in `vlmod.arank`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from vlmod.arank import EXIT_USAGE, LayerRanks, _check_selection, rank_layers
+from vlmod.argtypes import device as device_type
+from vlmod.argtypes import fraction, non_negative_int, option, positive_int
+from vlmod.calibration import calibration_batches, calibration_samples
+from vlmod.config import MoDConfig
+from vlmod.data.llava_format import DataError
+
+# ----------------------------------------------------------------------------- plot
+
+
+def plot_ranks(ranks: LayerRanks, path: str | Path, suggested: Sequence[int] | None = None) -> Path:
+    """A bar chart of the mean rank per layer (std as error bars), suggested layers marked.
+    Needs matplotlib; uses its Agg canvas directly so no global backend is touched."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.patches import Patch
+    except ImportError:
+        raise ImportError("plotting ranks needs matplotlib: pip install matplotlib") from None
+    suggested = set((ranks.suggested or []) if suggested is None else suggested)
+    layers = list(range(ranks.num_layers))
+    colors = ["tab:orange" if i in suggested else "tab:blue" for i in layers]
+    fig = Figure(figsize=(max(6.0, 0.3 * len(layers) + 2), 4.0))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ax.bar(layers, ranks.mean, yerr=ranks.std, color=colors, capsize=2, ecolor="0.4")
+    ax.set_xlabel("layer")
+    ax.set_ylabel("attention rank (mean over heads and samples)")
+    mean_tokens = sum(ranks.tokens) / max(len(ranks.tokens), 1)
+    ax.set_title(
+        f"ARank, {ranks.part} part: {ranks.num_samples} sequences, {mean_tokens:.0f} tokens on average"
+    )
+    ax.axhline(mean_tokens, color="0.5", linestyle="--", linewidth=1)
+    ax.set_xticks(layers)
+    ax.tick_params(axis="x", labelsize=7)
+    ax.legend(
+        handles=[
+            Patch(color="tab:orange", label="suggested for MoD"),
+            Patch(color="tab:blue", label="kept dense"),
+            ax.lines[-1],
+        ],
+        labels=["suggested for MoD", "kept dense", "mean real tokens (full rank)"],
+        loc="lower right",
+        fontsize=8,
+    )
+    fig.tight_layout()
+    path = Path(path).expanduser()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    return path
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+class RankInputError(ValueError):
+    """Bad input to `vlmod rank` (model, data, selection flags): one `error:` line, exit 2."""
+
+
+
+
+
+
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def add_rank_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The flags of `vlmod rank` / `scripts/rank_layers.py`; sets `run=run_rank` as default."""
+    parser.add_argument("--model", required=True, help="LLaVA checkpoint directory (or hub id)")
+    parser.add_argument(
+        "--data",
+        required=True,
+        help="LLaVA-format JSON (list of records with image + conversations), or a folder of images "
+        "(then --prompt is the question asked about each)",
+    )
+    parser.add_argument(
+        "--image-root",
+        default=None,
+        help="folder the JSON's image paths are relative to (default: the JSON's folder)",
+    )
+    parser.add_argument(
+        "--prompt",
+        default=None,
+        help="question for a folder of images; with a JSON it replaces each record's question",
+    )
+    parser.add_argument(
+        "--num-samples", type=positive_int, default=64, help="calibration samples (default: 64)"
+    )
+    parser.add_argument(
+        "--batch-size", type=positive_int, default=4, help="samples per forward (default: 4)"
+    )
+    option(parser, "--json", aliases=("--out",), dest="out", default="ranks.json", metavar="PATH",
+           help="where to write the ranks (default: ranks.json)")
+    option(parser, "--plots", aliases=("--plot",), dest="plot", default=None, metavar="PATH",
+           help="also draw the ranks per layer: a folder (ranks.png goes there) or a .png file (needs matplotlib)")
+    parser.add_argument(
+        "--part",
+        choices=("language", "vision"),
+        default="language",
+        help="model part to rank (default: language)",
+    )
+    parser.add_argument(
+        "--select",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="suggest the N lowest-rank layers (default: half the layers, as many as layers=every_other)",
+    )
+    parser.add_argument(
+        "--threshold",
+        type=fraction,
+        default=None,
+        help="suggest only layers with normalised rank (rank / tokens) <= this; --select then caps the count",
+    )
+    parser.add_argument(
+        "--keep-first",
+        type=non_negative_int,
+        default=0,
+        help="first K layers stay dense (LLaVA language: >= 1)",
+    )
+    parser.add_argument("--keep-last", type=non_negative_int, default=0, help="last K layers stay dense")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sample order (default: 0)")
+    parser.add_argument(
+        "--device", type=device_type, default=None, help="torch device (default: cuda if available, else cpu)"
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=("auto", *DTYPES),
+        default="auto",
+        help="model dtype (default: bfloat16 on GPU, float32 on CPU); SVDs run in float32 either way",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.set_defaults(run=run_rank)
+    return parser
+
+
+def run_rank(args: argparse.Namespace) -> int:
+    """Calibrate, select, write JSON (and PNG); bad input is one `error:` line and status 2."""
+    try:
+        return _run_rank(args)
+    except (DataError, RankInputError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def _load_model(path: str, device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, Any]:
+    from vlmod.hf import load_vlm
+
+    model, processor = load_vlm(
+        path, RankInputError, "the rank command calibrates (for image encoders, call vlmod.arank.rank_layers)",
+        converted=False, dtype=dtype,
+    )
+    return model.to(device).eval(), processor
+
+
+def rank_checkpoint(
+    model: str,
+    data: str | Path,
+    *,
+    image_root: str | Path | None = None,
+    prompt: str | None = None,
+    num_samples: int = 64,
+    batch_size: int = 4,
+    part: str = "language",
+    progress: bool = True,
+) -> LayerRanks:
+    """Load a LLaVA checkpoint (on the GPU when there is one) and rank its layers on DATA."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    samples = calibration_samples(data, image_root=image_root, prompt=prompt)
+    llava, processor = _load_model(model, device, dtype)
+    batches = calibration_batches(processor, samples, batch_size=batch_size, num_samples=num_samples)
+    ranks = rank_layers(llava, batches, part=part, progress=progress, total=batches.total)
+    del llava
+    return ranks
+
+
+def _run_rank(args: argparse.Namespace) -> int:
+    from vlmod.plugins import find_plugin
+
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise RankInputError("--plots needs matplotlib: pip install matplotlib") from None
+    model_path = Path(args.model).expanduser()
+    if str(args.model).startswith((".", "/", "~")) and not model_path.exists():
+        raise RankInputError(f"model path {args.model} does not exist")
+    from vlmod.paths import check_output_file
+
+    check_output_file(args.out, "--json", inputs=[args.model, args.data], error=RankInputError)
+    if args.plot and not str(args.plot).lower().endswith(".png"):
+        args.plot = str(Path(args.plot) / "ranks.png")  # --plots DIR, as audit's
+    if args.plot:
+        check_output_file(args.plot, "--plots", inputs=[args.model, args.data], error=RankInputError)
+    samples = calibration_samples(args.data, image_root=args.image_root, prompt=args.prompt)
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = DTYPES.get(args.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    from transformers.utils import logging as hf_logging
+
+    bars_were_off = hf_logging.is_progress_bar_enabled() is False
+    if args.no_progress:
+        hf_logging.disable_progress_bar()
+    try:
+        model, processor = _load_model(args.model, device, dtype)
+    finally:
+        if args.no_progress and not bars_were_off:
+            hf_logging.enable_progress_bar()
+
+    try:
+        spec = find_plugin(model).part_spec(model, args.part, MoDConfig())
+    except ValueError as e:  # a part this family cannot route (Qwen's packed vision tower)
+        raise RankInputError(str(e)) from None
+    num_layers = len(spec.blocks)
+    try:
+        _check_selection(num_layers, args.select, args.threshold, args.keep_first, args.keep_last)
+    except ValueError as e:
+        raise RankInputError(str(e)) from None
+
+    batches = calibration_batches(
+        processor,
+        samples,
+        batch_size=args.batch_size,
+        num_samples=args.num_samples,
+        seed=args.seed,
+    )
+    start = time.perf_counter()
+    ranks = rank_layers(model, batches, part=args.part, progress=not args.no_progress, total=batches.total)
+    seconds = time.perf_counter() - start
+
+    n = args.select
+    try:
+        if n is None and args.threshold is None:
+            # Default: as many layers as layers="every_other" would convert.
+            candidates = ranks.select(keep_first=args.keep_first, keep_last=args.keep_last)
+            suggested = candidates[: max(num_layers // 2, 1)]
+            n = len(suggested)
+        else:
+            suggested = ranks.select(
+                n=n, threshold=args.threshold, keep_first=args.keep_first, keep_last=args.keep_last
+            )
+    except ValueError as e:
+        raise RankInputError(str(e)) from None
+    ranks.suggested = suggested
+    ranks.meta = {
+        "model": str(args.model),
+        "data": str(args.data),
+        "prompt": args.prompt,
+        "num_samples_requested": args.num_samples,
+        "batch_size": args.batch_size,
+        "seed": args.seed,
+        "skipped_samples": len(batches.skipped),
+        "selection": {
+            "n": n,
+            "threshold": args.threshold,
+            "keep_first": args.keep_first,
+            "keep_last": args.keep_last,
+        },
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "seconds": round(seconds, 3),
+    }
+    out = ranks.to_json(args.out)
+    print(format_ranks(ranks))
+    print(f"{ranks.num_samples} samples in {seconds:.1f} s ({len(batches.skipped)} skipped); wrote {out}")
+    if args.plot:
+        print(f"wrote {plot_ranks(ranks, args.plot)}")
+    return 0
+
+
+def format_ranks(ranks: LayerRanks) -> str:
+    """A per-layer table; `*` marks the suggested layers."""
+    chosen = set(ranks.suggested or [])
+    lines = [f"{'layer':>5}  {'rank':>8}  {'std':>7}  {'rank/tokens':>11}"]
+    for i in range(ranks.num_layers):
+        mark = " *" if i in chosen else ""
+        lines.append(
+            f"{i:>5}  {ranks.mean[i]:>8.2f}  {ranks.std[i]:>7.2f}  {ranks.normalized[i]:>11.4f}{mark}"
+        )
+    lines.append(f"suggested layers (lowest rank first): {ranks.suggested or []}")
+    return "\n".join(lines)
+
+
+
+__all__ = ["RankInputError", "add_rank_arguments", "format_ranks", "plot_ranks", "rank_checkpoint", "run_rank"]
