@@ -75,13 +75,18 @@ def test_reuse_dense_refuses_other_settings(image_run: tuple) -> None:
                    progress=False, reuse_dense=True)
 
 
-def test_recipe_settings_refuse_bad_values() -> None:
+def test_recipe_settings_refuse_bad_values(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from vlmod.cli import main
     from vlmod.errors import InputError
 
     with pytest.raises(InputError, match="--task"):
         RecipeSettings.for_task("audio")
     with pytest.raises(InputError, match="targets"):
         RecipeSettings.for_task("image", targets=(0.5,))
+    for argv, message in [(["--task", "image", "--image-model", str(tmp_path)], "for --task video"),
+                          (["--task", "video", "--image-model", str(tmp_path)], "no config.json")]:
+        assert main(["recipe", "--quick", "--out", str(tmp_path / "run"), *argv]) == 2
+        assert message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("task", "prefix"), [("image", "synthetic"), ("video", "synthetic-video")])

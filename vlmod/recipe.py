@@ -64,6 +64,7 @@ class RecipeSettings:
     image_steps: int = 0
     num_train_images: int = 0
     image_batch_size: int = 32
+    image_model: str | None = None
     dense_lr: float = 1e-3
     weight_decay: float = 0.05
     batch_size: int = 32
@@ -90,8 +91,8 @@ class RecipeSettings:
             raise InputError(f"--task must be one of {', '.join(TASKS)}, got {task!r}")
         base: dict[str, Any] = {"task": task}
         if task == "video":
-            base.update(num_train=8000, num_val=420, batch_size=16, eval_batch_size=16, dense_steps=1500,
-                        image_steps=1500, num_train_images=8000, mod_steps=600)
+            base.update(num_train=8000, num_val=420, batch_size=16, eval_batch_size=16,
+                        image_steps=1500, num_train_images=8000, dense_steps=1200, mod_steps=500)
         if quick:
             base.update(
                 num_train=32 if task == "image" else 28, num_val=8 if task == "image" else 14, width=64, layers=4,
@@ -149,7 +150,7 @@ class RecipeResult:
 _DENSE_SETTINGS = (
     "task", "num_train", "num_val", "image_size", "frames", "distractors", "width", "layers", "heads", "kv_heads",
     "vision_width", "vision_layers", "patch_size", "dense_steps", "dense_lr", "weight_decay", "batch_size", "seed",
-    "image_steps", "num_train_images", "image_batch_size",
+    "image_steps", "num_train_images", "image_batch_size", "image_model",
 )
 
 
@@ -245,7 +246,7 @@ def run_recipe(out: str | Path, settings: RecipeSettings | None = None, progress
 
     def make_data() -> None:
         if video:  # the images feed the image stage only
-            generate(data, s.num_train_images, 0, image_size=s.image_size, distractors=s.distractors, seed=s.seed,
+            generate(data, 0 if s.image_model else s.num_train_images, 0, image_size=s.image_size, distractors=s.distractors, seed=s.seed,
                      video=True, num_videos=s.num_train, num_val_videos=s.num_val, num_frames=s.frames,
                      progress=progress)
         else:
@@ -260,7 +261,8 @@ def run_recipe(out: str | Path, settings: RecipeSettings | None = None, progress
         )
 
     def init() -> None:
-        for family, folder in [(s.family, "init")] + ([("llava", "image-init")] if s.image_steps else []):
+        image_stage = s.image_steps and not s.image_model
+        for family, folder in [(s.family, "init")] + ([("llava", "image-init")] if image_stage else []):
             save_model(*build(family), out / folder)
 
     def finetune(model: Path, run: str, data_json: Path = train_json, batch_size: int = s.batch_size,
@@ -275,9 +277,12 @@ def run_recipe(out: str | Path, settings: RecipeSettings | None = None, progress
         """The image stage: a LLaVA of the same sizes learns to see on the image questions, then
         the video model starts from its weights (as LLaVA-NeXT-Video starts from LLaVA-NeXT):
         from scratch, the video model never learned colour, shape or position (39.8% after 3000 steps)."""
-        images = finetune(out / "image-init", "image", data / "train.json", s.image_batch_size, trainable="full",
-                          train_vision_tower=True, lr=s.dense_lr, max_steps=s.image_steps,
-                          weight_decay=s.weight_decay)
+        if s.image_model:  # an image LLaVA of the same sizes trained elsewhere (the image recipe's dense model)
+            images = Path(s.image_model).expanduser()
+        else:
+            images = finetune(out / "image-init", "image", data / "train.json", s.image_batch_size, trainable="full",
+                              train_vision_tower=True, lr=s.dense_lr, max_steps=s.image_steps,
+                              weight_decay=s.weight_decay)
         model = load_pretrained(out / "init")
         tiny.copy_weights(load_pretrained(images), model)
         save_model(model, AutoProcessor.from_pretrained(out / "init"), out / "init-images")
@@ -290,7 +295,7 @@ def run_recipe(out: str | Path, settings: RecipeSettings | None = None, progress
     else:
         stages.run("data", make_data)
         stages.run("init", init)
-        start = stages.run("train on images", train_on_images) if s.image_steps else out / "init"
+        start = stages.run("train on images", train_on_images) if s.image_steps or s.image_model else out / "init"
         stages.run("train dense", lambda: finetune(
             start, "dense", trainable="full", train_vision_tower=True, lr=s.dense_lr, max_steps=s.dense_steps,
             weight_decay=s.weight_decay,
@@ -462,6 +467,9 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                         help=f"LM prefill FLOPs reductions to reach (default: {' '.join(map(str, image.targets))})")
     parser.add_argument("--routers", nargs="*", default=None,
                         help=f"baselines at every point (default: {' '.join(image.routers)})")
+    parser.add_argument("--image-model", default=None, metavar="DIR",
+                        help="video task: start from this image LLaVA of the same sizes (e.g. the image recipe's "
+                             "runs/synthetic-image/dense/model) instead of training the image stage (default: train it)")
     parser.add_argument("--no-distill", action="store_true",
                         help="MoD fine-tuning without distillation from the dense model (default: distill)")
     parser.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's)")
@@ -491,6 +499,12 @@ def run_recipe_command(args: argparse.Namespace) -> int:
         overrides["threads"] = args.threads
     if args.no_distill:
         overrides["distill"] = False
+    if args.image_model is not None:
+        if args.task != "video":
+            raise InputError("--image-model is for --task video (the image stage of the video recipe)")
+        if not (Path(args.image_model).expanduser() / "config.json").is_file():
+            raise InputError(f"--image-model {args.image_model} is not a checkpoint folder (no config.json)")
+        overrides["image_model"] = str(Path(args.image_model).expanduser().resolve())
     settings = RecipeSettings.for_task(args.task, quick=args.quick, **overrides)
     from vlmod.paths import check_output_dir
 
