@@ -664,6 +664,31 @@ def _make_accelerator(cfg: TrainConfig) -> Any:
     )
 
 
+def _check_launch(accelerator: Any) -> None:
+    """Refuse a launch that accelerate did not turn into the distributed run it asked for, rather
+    than train N independent copies that overwrite one output folder (or run FSDP as DDP)."""
+    import accelerate
+    from accelerate.utils import DistributedType
+
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    kind = accelerator.distributed_type
+    if world > 1 and accelerator.num_processes != world:
+        raise TrainError(
+            f"launched as {world} processes, but accelerate {accelerate.__version__} made this a run of "
+            f"{accelerator.num_processes} ({kind.value}): with no GPU here, set ACCELERATE_USE_CPU=true (DDP over gloo), "
+            "e.g. ACCELERATE_USE_CPU=true torchrun --nproc_per_node 2 scripts/finetune.py ..."
+        )
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and kind != DistributedType.FSDP:
+        # accelerate/state.py turns only GPU-like multi-device types into FSDP, never MULTI_CPU
+        # (and `accelerate launch --cpu` runs FSDP configs as one plain process).
+        raise TrainError(
+            f"the accelerate config asks for FSDP, but accelerate {accelerate.__version__} runs this launch as "
+            f"{kind.value} with {accelerator.num_processes} process(es): it sets FSDP up on GPUs (and other "
+            "accelerators) only, not on CPU; on CPU use DDP over gloo "
+            "(ACCELERATE_USE_CPU=true torchrun --nproc_per_node 2 scripts/finetune.py ...)"
+        )
+
+
 def _check_lora_sharding(cfg: TrainConfig, accelerator: Any) -> None:
     """LoRA is merged into the weights at save time, which needs whole parameters: refuse the
     setups that shard them (FSDP, ZeRO-3) instead of saving a broken model."""
@@ -714,6 +739,7 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
     check_output_dir_owner(cfg)
     resume_from = resolve_resume(cfg)
     accelerator = _make_accelerator(cfg)
+    _check_launch(accelerator)
     _check_lora_sharding(cfg, accelerator)
     set_seed(cfg.seed)
     model, processor = load_model(cfg)
