@@ -86,6 +86,22 @@ def _from_pretrained(cls: type, path: str | Path, kwargs: dict[str, Any]) -> tup
         raise
 
 
+# Bytes torch's CPU allocator aligns every tensor to.
+ALIGNMENT = 64
+
+
+def _realign(model: nn.Module) -> nn.Module:
+    """Copy the CPU parameters and buffers transformers left inside the memory-mapped safetensors
+    file (at arbitrary byte offsets) to memory of their own. BLAS kernels round differently on
+    unaligned operands, so without this a loaded model computes its logits a few ulps off the
+    model that was saved (at a MoD layer's gathered shapes, for example)."""
+    with torch.no_grad():
+        for t in (*model.parameters(), *model.buffers()):
+            if t.device.type == "cpu" and t.numel() and t.data_ptr() % ALIGNMENT:
+                t.data = t.data.clone()
+    return model
+
+
 def _zero_missing_routers(model: nn.Module, missing: list[str], path: str | Path) -> None:
     """Routers the checkpoint has no weights for start at zero (what a fresh conversion has), not
     at transformers' random init, and the user is told."""
@@ -184,6 +200,7 @@ def load_pretrained(path: str | Path, **from_pretrained_kwargs: Any) -> nn.Modul
     settings = getattr(config, "vlmod", None)
     if not settings:
         model, info = _from_pretrained(cls, path, from_pretrained_kwargs)
+        _realign(model)
         return (model, info) if want_info else model
     parts = part_configs(settings, f"{path}/config.json")
 
@@ -201,6 +218,7 @@ def load_pretrained(path: str | Path, **from_pretrained_kwargs: Any) -> nn.Modul
         raise CheckpointError(f"{path}/config.json: the vlmod settings do not fit this model: {str(e).splitlines()[0]}") from None
     model.__class__ = cls
     _zero_missing_routers(model, info.get("missing_keys", []), path)
+    _realign(model)
     return (model, info) if want_info else model
 
 
