@@ -96,6 +96,7 @@ class _Batch:
 
     layout: TokenLayout
     positions: Tensor  # [B, L] absolute index in the (padded) sequence: orders keys causally
+    past: int = 0  # tokens cached before this forward: positions[b, i] = past + i
 
 
 class _KeySlots:
@@ -232,7 +233,7 @@ class DecoderAdapter:
             layout.threshold = threshold
         length = types.shape[1]
         positions = torch.arange(past_length, past_length + length, device=types.device).expand_as(types)
-        self.batch = _Batch(layout=layout, positions=positions)
+        self.batch = _Batch(layout=layout, positions=positions, past=past_length)
 
     def end_forward(self, part: MoDPart, output: Any) -> Any:
         loss = getattr(output, "loss", None)
@@ -262,19 +263,18 @@ class DecoderAdapter:
             args[0] = x_sel
         else:
             kwargs["hidden_states"] = x_sel
+        query_pos = self.batch.positions
         if sel.index is not None:  # every token runs (a decode step): positions stay as they are
-            batch = x_sel.shape[0]
+            # `gather` takes the [1, L] / [1, L, d] tensors shared by every row as they are.
             position_ids = self.position_ids_arg.get(args, kwargs)
             if position_ids is not None:
-                self.position_ids_arg.set(args, kwargs, sel.gather(position_ids.expand(batch, -1)))
+                self.position_ids_arg.set(args, kwargs, sel.gather(position_ids))
             rope = self.rope_arg.get(args, kwargs)
             if rope is not None:
-                cos, sin = rope
-                self.rope_arg.set(
-                    args, kwargs,
-                    (sel.gather(cos.expand(batch, *cos.shape[1:])), sel.gather(sin.expand(batch, *sin.shape[1:]))),
-                )
-        query_pos = sel.gather(self.batch.positions)
+                self.rope_arg.set(args, kwargs, (sel.gather(rope[0]), sel.gather(rope[1])))
+            # positions[b, i] = past + i: the selected ones are the index itself, shifted.
+            past = self.batch.past
+            query_pos = sel.index if past == 0 else sel.index + past
         cache = self.cache_arg.get(args, kwargs)
         if self.own_keys:
             mask = self._keys_then_mask(layer_idx, cache, query_pos, sel.valid, x_sel.dtype)

@@ -50,6 +50,7 @@ class TokenLayout:
     # Query tokens of the attention router (index, valid), once per forward: routing/attention.py.
     _queries: tuple[Tensor, Tensor | None] | None = field(default=None, repr=False)
     _positions: Tensor | None = field(default=None, repr=False)
+    _not_routable: Tensor | None = field(default=None, repr=False)
 
     @classmethod
     def from_types(
@@ -93,6 +94,12 @@ class TokenLayout:
             protected=~routable,
             num_prefix=num_prefix if image_routable else length,
         )
+
+    def not_routable(self) -> Tensor:
+        """[B, L] ~routable, once per forward (every MoD layer masks its ranking with it)."""
+        if self._not_routable is None:
+            self._not_routable = ~self.routable
+        return self._not_routable
 
     def positions(self) -> Tensor:
         """[B, L] token index in the row (one arange per forward, shared by its MoD layers)."""
@@ -141,27 +148,39 @@ class Selection:
     index: Tensor | None  # None: every token runs (no gather needed)
     valid: Tensor | None
     length: int
-    _row_index: Tensor | None = field(default=None, repr=False)  # [B, 1] arange, made once per layer
+    _flat_index: Tensor | None = field(default=None, repr=False)  # [B * K] rows * L + index, once per layer
 
     def gather(self, x: Tensor) -> Tensor:
-        """x [B, L, ...] -> [B, K, ...] (advanced indexing: about 2x faster than an expanded gather)."""
+        """x [B, L, ...] (or [1, L, ...], shared by every row: positions, RoPE cos / sin) ->
+        [B, K, ...]. One `index_select` over the flattened rows: 2-4x faster on CPU than advanced
+        indexing x[rows, index], and no [B, 1] row arange per gathered tensor."""
         if self.index is None:
             return x
-        return x[self._rows(), self.index]
+        batch, k = self.index.shape
+        if x.shape[0] == 1 and batch > 1:
+            return x[0].index_select(0, self.index.reshape(-1)).view(batch, k, *x.shape[2:])
+        rest = x.shape[2:]
+        return x.reshape(batch * x.shape[1], *rest).index_select(0, self.flat_index()).view(batch, k, *rest)
 
     def scatter(self, x: Tensor, values: Tensor) -> Tensor:
         """A copy of x [B, L, ...] with the selected positions replaced by values [B, K, ...]."""
         if self.index is None:
             return values
-        out = x.clone()
-        out[self._rows(), self.index] = values
+        batch, length = x.shape[:2]
+        out = x.clone(memory_format=torch.contiguous_format)
+        rest = x.shape[2:]
+        out.view(batch * length, *rest).index_copy_(0, self.flat_index(), values.reshape(-1, *rest))
         return out
 
-    def _rows(self) -> Tensor:
-        # One arange per layer, not one per gathered tensor (x, scores, positions, cos, sin, ...).
-        if self._row_index is None:
-            self._row_index = torch.arange(self.index.shape[0], device=self.index.device).unsqueeze(1)
-        return self._row_index
+    def flat_index(self) -> Tensor:
+        """[B * K]: the selected positions as rows of the [B * L, ...] flattened batch."""
+        if self._flat_index is None:
+            batch = self.index.shape[0]
+            flat = self.index
+            if batch > 1:
+                flat = flat + torch.arange(0, batch * self.length, self.length, device=flat.device).unsqueeze(1)
+            self._flat_index = flat.reshape(-1)
+        return self._flat_index
 
     def processed_mask(self) -> Tensor:
         """[B, L] bool: True where the token ran the layer."""
@@ -191,7 +210,9 @@ def select_tokens(keys: Tensor, layout: TokenLayout, capacity: float) -> Selecti
         prefix = torch.arange(p, device=keys.device).expand(batch, p)
         return Selection(index=torch.cat([prefix, top], dim=1), valid=None, length=length)
     positions = layout.positions()
-    masked = keys.float().masked_fill(~layout.routable, float("-inf"))
+    if keys.dtype != torch.float32:  # a no-op .float() still costs a dispatch per layer
+        keys = keys.float()
+    masked = keys.masked_fill(layout.not_routable(), float("-inf"))
     order = masked.argsort(dim=1, descending=True, stable=True)
     rank = torch.empty_like(order).scatter_(1, order, positions)
     processed = layout.protected | (layout.routable & (rank < budget.k.unsqueeze(1)))
