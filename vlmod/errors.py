@@ -9,4 +9,10 @@ class InputError(ValueError):
     a ValueError from deeper down is a bug and keeps its traceback."""
 
 
-__all__ = ["InputError"]
+
+class TrainError(InputError):
+    """A fine-tuning run was asked for something that cannot run (a missing file, a bad config
+    key, a model that is not LLaVA). The command reports it as one `error:` line."""
+
+
+__all__ = ["InputError", "TrainError"]

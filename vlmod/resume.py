@@ -1,7 +1,7 @@
 """What makes a resumed fine-tuning run the same run, beyond its settings: the training data's
 content. `--resume` compares the settings saved with a checkpoint to the current ones and refuses
 any difference that changes what the run computes (the learning rate, `max_steps`, the data, ...;
-see `vlmod.train.FREE_SETTINGS` for those it may change), naming each. A data file edited in place
+see `vlmod.checkpoints.FREE_SETTINGS` for those it may change), naming each. A data file edited in place
 keeps its path, so its content is compared too: a resumed run never silently trains on other data.
 """
 
