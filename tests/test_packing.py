@@ -3,11 +3,10 @@ with a materialised block-diagonal mask compute what today's padded path compute
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import timm
 import torch
-from PIL import Image
+from test_routers import _llava_inputs  # the anyres batch of different-size images
 
 import vlmod
 from vlmod import tiny
@@ -47,29 +46,15 @@ def test_pack_unpack_and_the_block_diagonal_causal_mask():
     assert keys[0, 0].tolist() == [[True] * 3 + [False] * 3, [False] * 4 + [True] * 2]
 
 
-def _llava_next_batch(processor) -> dict:
-    # Anyres images of different sizes: rows keep different numbers of tokens, so the padded
-    # selection has filler slots, the case packing removes.
-    rng = np.random.RandomState(0)
-    sizes = [(32, 32), (48, 64), (64, 40)]
-    images = [Image.fromarray((rng.rand(h, w, 3) * 255).astype("uint8")) for h, w in sizes]
-    questions = ["what color", "how many objects are in the image", "where is the red circle in this picture ?"]
-    prompts = [
-        processor.apply_chat_template(
-            [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": q}]}], add_generation_prompt=True
-        )
-        for q in questions
-    ]
-    return dict(processor(images=images, text=prompts, return_tensors="pt", padding=True))
-
-
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_packed_decoder_layer_matches_the_padded_path(attn):
     """The upstream decoder layer of a MoD layer, on the tokens the padded path gave it: packed
     into one sequence with a block-diagonal causal mask, every processed token comes out as it
     does padded."""
-    model, processor = tiny.build("llava_next", attn_implementation=attn)
-    inputs = _llava_next_batch(processor)
+    model, _ = tiny.build("llava_next", attn_implementation=attn)
+    # Anyres images of different sizes: rows keep different numbers of tokens, so the padded
+    # selection has filler slots, the case packing removes.
+    inputs = _llava_inputs("llava_next")
     vlmod.apply_mod(model, vlmod.MoDConfig(capacity=0.5))
     seen: dict = {}
     for i in (1, 3):

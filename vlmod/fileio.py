@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -49,4 +50,17 @@ def write_json(path: str | os.PathLike[str], data: Any) -> None:
     write_text(path, json.dumps(data, indent=2, sort_keys=False) + "\n")
 
 
-__all__ = ["default_file_mode", "write_bytes_atomic", "write_json", "write_text"]
+def save_pretrained_atomic(model: Any, processor: Any, folder: str | os.PathLike[str]) -> Path:
+    """`save_pretrained` of a model and its processor through `folder.tmp`, then a rename: `folder`
+    is complete or absent (an older `folder` is replaced only once the new one is written)."""
+    folder = Path(folder)
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    processor.save_pretrained(tmp)
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+    return folder
+
+
+__all__ = ["save_pretrained_atomic", "default_file_mode", "write_bytes_atomic", "write_json", "write_text"]

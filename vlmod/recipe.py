@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
@@ -37,8 +36,9 @@ from typing import Any
 import torch
 
 from vlmod.argtypes import int_at_least, positive_int
+from vlmod.bench.timing import keeps_threads
 from vlmod.errors import InputError
-from vlmod.fileio import write_json, write_text
+from vlmod.fileio import save_pretrained_atomic, write_json, write_text
 
 TASKS = ("image", "video")
 
@@ -182,17 +182,6 @@ class _Stages:
         return value
 
 
-def save_model(model: torch.nn.Module, processor: Any, folder: Path) -> Path:
-    """`save_pretrained` through a temporary folder: `folder` is complete or absent."""
-    tmp = folder.with_name(folder.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    processor.save_pretrained(tmp)
-    shutil.rmtree(folder, ignore_errors=True)
-    tmp.rename(folder)
-    return folder
-
-
 def token_counts(processor: Any, data: Path, s: RecipeSettings, limit: int = 64) -> Any:
     """Mean text and vision tokens of the eval prompts (the first `limit`)."""
     from vlmod.data import LlavaDataset, load_records
@@ -212,6 +201,7 @@ def token_counts(processor: Any, data: Path, s: RecipeSettings, limit: int = 64)
     return TokenCounts(text=text / n, vision=vision / n, frames=s.frames if s.task == "video" else 1)
 
 
+@keeps_threads  # --threads applies to the recipe, not to what runs after it in the process
 def run_recipe(out: str | Path, settings: RecipeSettings | None = None, progress: bool = True,
                log: Callable[[str], None] = print, reuse_dense: bool = False) -> RecipeResult:
     """Run every stage into `out` (see the module doc) and write results.json / results.md /
@@ -263,7 +253,7 @@ def run_recipe(out: str | Path, settings: RecipeSettings | None = None, progress
     def init() -> None:
         image_stage = s.image_steps and not s.image_model
         for family, folder in [(s.family, "init")] + ([("llava", "image-init")] if image_stage else []):
-            save_model(*build(family), out / folder)
+            save_pretrained_atomic(*build(family), out / folder)
 
     def finetune(model: Path, run: str, data_json: Path = train_json, batch_size: int = s.batch_size,
                  **kw: Any) -> Path:
@@ -285,7 +275,7 @@ def run_recipe(out: str | Path, settings: RecipeSettings | None = None, progress
                               weight_decay=s.weight_decay)
         model = load_pretrained(out / "init")
         tiny.copy_weights(load_pretrained(images), model)
-        save_model(model, AutoProcessor.from_pretrained(out / "init"), out / "init-images")
+        save_pretrained_atomic(model, AutoProcessor.from_pretrained(out / "init"), out / "init-images")
         return out / "init-images"
 
     dense = out / "dense" / "model"

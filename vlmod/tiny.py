@@ -367,12 +367,9 @@ def run_tiny(args: Any) -> int:
         from vlmod.hf import load_pretrained
 
         copy_weights(load_pretrained(args.init_from), model)
-    tmp = out.with_name(out.name + ".tmp")
-    model.save_pretrained(tmp)
-    processor.save_pretrained(tmp)
-    if out.exists():
-        out.rmdir()
-    tmp.replace(out)
+    from vlmod.fileio import save_pretrained_atomic
+
+    save_pretrained_atomic(model, processor, out)  # an existing out is empty (checked above)
     params = sum(p.numel() for p in model.parameters())
     print(f"wrote a tiny {args.family} model ({params / 1e6:.2f} M parameters) to {out}")
     return 0
