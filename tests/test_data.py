@@ -201,14 +201,14 @@ def test_video_answers_match_the_frames(data_dir):
             assert centroid(frames[0], first["color"]) is not None and centroid(frames[-1], second["color"]) is not None
             asked = r["conversations"][0]["value"].split("is the ")[1].split(" before")[0]
             assert (asked == f"{first['color']} {first['shape']}") == (answer == "before")
-        else:  # every other object is drawn exactly in the frames its meta names
-            for obj in meta["objects"]:
+        else:  # every other object is drawn exactly in the frames its meta names, its colour exact
+            for obj in meta["objects"]:  # (the clips are lossless: a lossy 4:2:0 mp4 misses by tens)
                 a, b = obj["frames"]
                 (cx, cy) = obj["center"]
                 for t, frame in enumerate(frames):
                     pixel = frame[int(cy), int(cx)].astype(int)
-                    drawn = np.abs(pixel - np.asarray(syn.COLORS[obj["color"]])).sum() < 90
-                    assert drawn == (a <= t <= b), (r["id"], obj, t)
+                    miss = np.abs(pixel - np.asarray(syn.COLORS[obj["color"]])).max()
+                    assert (miss <= 2) == (a <= t <= b) and (a <= t <= b or miss > 40), (r["id"], obj, t, miss)
 
 
 def test_generate_rejects_bad_settings(tmp_path):

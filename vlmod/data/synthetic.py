@@ -244,7 +244,7 @@ def _split_records(
 
             frames, question, meta = video_sample(rng, qtype, answer, size, num_frames)
             name = f"{i:06d}.mp4"
-            write_video(folder / name, frames, fps=VIDEO_FPS)
+            write_video(folder / name, frames, fps=VIDEO_FPS, lossless=True)
             record["video"] = f"videos/{split}/{name}"
             media_token = "<video>"
         names.add(name)
