@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from test_decode import ROUTING_OPS, CountOps, count_syncs
+from probes import ROUTING_OPS, CountOps, count_syncs
 from transformers import DynamicCache
 
 import vlmod

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import timm
 import torch
-from test_routers import _llava_inputs  # the anyres batch of different-size images
+from probes import anyres_inputs
 
 import vlmod
 from vlmod import tiny
@@ -51,10 +51,10 @@ def test_packed_decoder_layer_matches_the_padded_path(attn):
     """The upstream decoder layer of a MoD layer, on the tokens the padded path gave it: packed
     into one sequence with a block-diagonal causal mask, every processed token comes out as it
     does padded."""
-    model, _ = tiny.build("llava_next", attn_implementation=attn)
+    model, processor = tiny.build("llava_next", attn_implementation=attn)
     # Anyres images of different sizes: rows keep different numbers of tokens, so the padded
     # selection has filler slots, the case packing removes.
-    inputs = _llava_inputs("llava_next")
+    inputs = anyres_inputs(processor, "llava_next")
     vlmod.apply_mod(model, vlmod.MoDConfig(capacity=0.5))
     seen: dict = {}
     for i in (1, 3):

@@ -14,6 +14,7 @@ import pytest
 import timm
 import torch
 from PIL import Image
+from probes import anyres_inputs
 from torch import nn
 
 import vlmod
@@ -30,19 +31,7 @@ def _llava(family: str, attn: str) -> tuple[nn.Module, object]:
 
 
 def _llava_inputs(family: str) -> dict:
-    _, processor = _llava(family, "eager")
-    # Anyres images of different sizes: rows with 36, 70 and 72 image tokens and left padding.
-    sizes = [(32, 32), (48, 64), (64, 40)] if family != "llava" else [(32, 32)] * 3
-    rng = np.random.RandomState(0)
-    images = [Image.fromarray((rng.rand(h, w, 3) * 255).astype("uint8")) for h, w in sizes]
-    questions = ["what color", "how many objects are in the image", "where is the red circle in this picture ?"]
-    prompts = [
-        processor.apply_chat_template(
-            [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": q}]}], add_generation_prompt=True
-        )
-        for q in questions
-    ]
-    return dict(processor(images=images, text=prompts, return_tensors="pt", padding=True))
+    return anyres_inputs(_llava(family, "eager")[1], family)
 
 
 @functools.cache
