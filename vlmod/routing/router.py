@@ -41,7 +41,8 @@ def gate_offset(scores: Tensor, kind: str, alpha: float) -> Tensor | None:
     The offset, not g itself, is what meets the token states: near g = 1 a bfloat16 g has a step
     of 2^-7 (0.2 tanh(r) would have to exceed it before the gate moved at all), while the offset
     in bfloat16 keeps 8 significant bits of its own size."""
-    scores = scores.float()
+    if scores.dtype != torch.float32:  # a no-op .float() still costs a dispatch per layer and step
+        scores = scores.float()
     if kind == "tanh":
         return alpha * torch.tanh(scores)
     if kind == "sigmoid":
