@@ -281,3 +281,8 @@ def test_distillation_loss_is_zero_only_for_the_teacher() -> None:
     early = logits.clone()
     early[:, :2] += torch.randn(2, 2, 11)  # positions that predict no answer token do not count
     assert float(distillation_loss(early, logits, labels)) == pytest.approx(0.0, abs=1e-6)
+    # Over a given token count (a process's share of the global count in a multi-process run)
+    # it is the sum over tokens divided by that count: with this batch's own count, the mean.
+    mean = distillation_loss(other, logits, labels)
+    assert float(distillation_loss(other, logits, labels, num_items=4)) == pytest.approx(float(mean))
+    assert float(distillation_loss(other, logits, labels, num_items=torch.tensor(8.0))) == pytest.approx(float(mean) / 2)

@@ -25,14 +25,12 @@ ROOT = Path(__file__).parents[1]
 def _workdir(root: Path) -> Path:
     tiny.save("llava", root / "dense", image_size=32, patch_size=8)
     generate(root / "data", 24, 6, image_size=32)
-    # Every sample with one answer token: a process's mean loss over its half of the batch is then
-    # the global batch's mean over tokens (gradients averaged over processes weigh each process
-    # alike, not each token; with answers of different lengths the two runs differ by that).
+    # Answers of one and two words ("top left"): each process's own token mean would weigh the
+    # processes alike, not the tokens; the run divides by the global token count instead.
     records = json.loads((root / "data" / "train.json").read_text())
-    records = [r for r in records if " " not in r["conversations"][1]["value"]]
-    (root / "data" / "one_word.json").write_text(json.dumps(records))
+    assert {len(r["conversations"][1]["value"].split()) for r in records} == {1, 2}
     config = dict(
-        model=str(root / "dense"), data=str(root / "data" / "one_word.json"), trainable="full", lr=1e-3,
+        model=str(root / "dense"), data=str(root / "data" / "train.json"), trainable="full", lr=1e-3,
         max_steps=2, log_steps=1, cache_data=True, seed=0,
         mod={"capacity": 0.5, "layers": [1, 2], "routable": ["image"]},
     )

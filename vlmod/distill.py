@@ -16,17 +16,28 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-IGNORE_INDEX = -100
+from vlmod.data.collate import IGNORE_INDEX
 
 
-def distillation_loss(student_logits: Tensor, teacher_logits: Tensor, labels: Tensor, temperature: float = 1.0) -> Tensor:
-    """KL(teacher || student) over the positions that predict an answer token."""
+def distillation_loss(
+    student_logits: Tensor,
+    teacher_logits: Tensor,
+    labels: Tensor,
+    temperature: float = 1.0,
+    num_items: Tensor | float | None = None,
+) -> Tensor:
+    """KL(teacher || student) over the positions that predict an answer token: their mean, or
+    their sum over `num_items` (a multi-process run divides by its share of the global count, as
+    the language-model loss does, so every answer token weighs alike)."""
     mask = labels[:, 1:] != IGNORE_INDEX
     s = student_logits[:, :-1][mask].float() / temperature
     t = teacher_logits[:, :-1][mask].float() / temperature
     if s.numel() == 0:
         return student_logits.sum() * 0.0
-    kl = F.kl_div(F.log_softmax(s, -1), F.log_softmax(t, -1), log_target=True, reduction="batchmean")
+    if num_items is None:
+        kl = F.kl_div(F.log_softmax(s, -1), F.log_softmax(t, -1), log_target=True, reduction="batchmean")
+    else:
+        kl = F.kl_div(F.log_softmax(s, -1), F.log_softmax(t, -1), log_target=True, reduction="sum") / num_items
     return kl * temperature**2
 
 
@@ -44,11 +55,11 @@ class Teacher:
         model, _ = load_vlm(path, error, "distillation supports", dtype=torch.float32)
         return cls(model.to(device), temperature)
 
-    def loss(self, student_logits: Tensor, batch: dict[str, Any]) -> Tensor:
+    def loss(self, student_logits: Tensor, batch: dict[str, Any], num_items: Tensor | float | None = None) -> Tensor:
         with torch.no_grad():
             inputs = {k: v for k, v in batch.items() if k != "labels"}
             teacher_logits = self.model(**inputs).logits
-        return distillation_loss(student_logits, teacher_logits, batch["labels"], self.temperature)
+        return distillation_loss(student_logits, teacher_logits, batch["labels"], self.temperature, num_items)
 
 
 __all__ = ["Teacher", "distillation_loss"]

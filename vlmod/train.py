@@ -53,6 +53,7 @@ from vlmod.checkpoints import (
     save_model,
 )
 from vlmod.config import MoDConfig
+from vlmod.data.collate import IGNORE_INDEX
 from vlmod.errors import TrainError
 from vlmod.fileio import write_json
 
@@ -356,6 +357,30 @@ def routed_counts(trace: Any, parts: Sequence[Any]) -> Tensor:
 
 
 @torch.no_grad()
+def answer_token_share(batch: dict[str, Any], accelerator: Any) -> Tensor:
+    """This process's share of the micro-batch's answer tokens over all processes (their global
+    count / the number of processes), the `num_items_in_batch` that makes each process's loss a
+    sum over tokens scaled so that DDP's mean of the processes' gradients is the gradient of the
+    global per-token mean: what one process computes on the whole batch, whatever the answer
+    lengths (each process's own token mean would weigh every process alike instead)."""
+    local = (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
+    total = accelerator.reduce(local, reduction="sum")
+    return total.clamp_min(1).float() / accelerator.num_processes
+
+
+def _takes_loss_kwargs(model: nn.Module) -> bool:
+    """Whether the model's forward passes extra keywords on to its loss (every transformers VLM
+    does; a model that does not keeps its per-process mean)."""
+    import inspect
+
+    forward = getattr(model, "forward", None)
+    try:
+        params = inspect.signature(forward).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
 def validation_loss(model: nn.Module, loader: Any, accelerator: Any) -> float:
     """Mean answer loss over `loader` (all processes): per-sample mean NLL of the answer tokens,
     as `vlmod eval` reports it (no router aux term)."""
@@ -569,6 +594,7 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
     if cfg.capacities and not parts:
         raise TrainError("capacities: the model has no MoD layers; convert it (or give mod:) first")
     model.train()
+    per_token = accelerator.num_processes > 1 and _takes_loss_kwargs(accelerator.unwrap_model(model))
     while step < total_steps:
         loader.set_epoch(epoch)  # the prepared loader passes its epoch on to the sampler (and a skip-loader)
         epoch_loader = accelerator.skip_first_batches(loader, batch_in_epoch) if batch_in_epoch else loader
@@ -577,15 +603,17 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
                 draw = random.Random(cfg.seed * 1_000_003 + step).randrange(len(cfg.capacities))
                 set_capacity(accelerator.unwrap_model(model), cfg.capacities[draw])
             with accelerator.accumulate(model):
+                token_share = answer_token_share(batch, accelerator) if per_token else None
+                extra = {} if token_share is None else {"num_items_in_batch": token_share}
                 if parts:
                     with trace_routing(model) as trace:
-                        out = model(**batch)
+                        out = model(**batch, **extra)
                     routed += routed_counts(trace, parts).to(routed.device)
                 else:
-                    out = model(**batch)
+                    out = model(**batch, **extra)
                 loss = out.loss
                 if teacher is not None:
-                    loss = loss + cfg.distill_weight * teacher.loss(out.logits, batch)
+                    loss = loss + cfg.distill_weight * teacher.loss(out.logits, batch, token_share)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and cfg.max_grad_norm:
                     accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
