@@ -247,7 +247,7 @@ def test_scripts_show_defaults_too(capsys):
 
 
 def test_router_only_training_gets_the_router_learning_rate():
-    from vlmod.train import LR, ROUTER_ONLY_LR, TrainConfig
+    from vlmod.train_config import LR, ROUTER_ONLY_LR, TrainConfig
 
     router_config = yaml.safe_load((ROOT / "configs" / "finetune" / "llava-1.5-7b-router.yaml").read_text())
     assert ROUTER_ONLY_LR == float(router_config["lr"])

@@ -27,7 +27,7 @@ from vlmod.fileio import write_json
 from vlmod.resume import DATA_KEY, data_fingerprint, settings_diff
 
 if TYPE_CHECKING:
-    from vlmod.train import TrainConfig
+    from vlmod.train_config import TrainConfig
 
 STATE_FILE = "trainer_state.json"
 RUN_FILE = "run.json"

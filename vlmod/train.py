@@ -38,7 +38,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from vlmod.argtypes import read_yaml_mapping
 from vlmod.checkpoints import (
     RUN_FILE,
     DamagedCheckpoint,
@@ -52,188 +51,15 @@ from vlmod.checkpoints import (
     save_checkpoint,
     save_model,
 )
-from vlmod.config import MoDConfig
 from vlmod.data.collate import IGNORE_INDEX
 from vlmod.errors import TrainError
 from vlmod.fileio import write_json
-
-TRAINABLE = ("router", "language", "lora", "full")
-SCHEDULERS = ("cosine", "linear", "constant")
-PRECISIONS = ("no", "fp16", "bf16")
-TRACKERS = ("tensorboard", "wandb", "comet_ml", "aim", "mlflow", "clearml", "dvclive", "trackio", "all")
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# Default learning rates: the full-model one, and the routers-only one (`trainable: router`, as
-# configs/finetune/llava-1.5-7b-router.yaml: a few thousand fresh parameters learn fast).
-LR = 2e-5
-ROUTER_ONLY_LR = 1e-3
-
-
-@dataclass
-class TrainConfig:
-    """One fine-tuning run; the keys of `configs/finetune/*.yaml`.
-
-    model: checkpoint directory or hub id (dense or already converted by `vlmod convert`).
-    data / val_data: LLaVA-format JSON (paths relative to `image_root`, default the JSON's folder).
-    mod: MoDConfig fields to convert the language model before training (e.g. {capacity: 0.5,
-        layers: [2, 3], routable: [image]}); None trains the model as loaded.
-    aux_loss / aux_loss_weight: override the router aux loss of an already converted model.
-    lr: None gives LR, or ROUTER_ONLY_LR when only the routers train.
-    max_steps: optimizer steps; None runs `epochs` epochs.
-    warmup: warm-up steps (>= 1) or a fraction of the run (< 1).
-    save_steps / eval_steps / log_steps: every N optimizer steps (0: never; a final save always).
-    report_to: accelerate trackers (tensorboard, wandb, ...), logged under `output_dir/logs`.
-    resume: None, "latest" (the newest checkpoint in `output_dir/checkpoints`) or a checkpoint dir.
-    overwrite: delete what an earlier run left in `output_dir` (checkpoints, model, logs) first.
-    capacities: train each step at a mean MoD capacity drawn from this list (seeded by step), so one
-        model serves every listed compute point (set one with `vlmod.set_capacity`); the saved model
-        keeps the capacity it was converted with. None: always that capacity.
-    distill_from: a checkpoint (the dense original) whose answer distribution the model learns to
-        match as well (`vlmod.distill`), weighted by `distill_weight`; None: plain fine-tuning.
-    """
-
-    model: str
-    data: str
-    output_dir: str
-    image_root: str | None = None
-    val_data: str | None = None
-    strict: bool = False
-    mod: dict[str, Any] | None = None
-    aux_loss: str | None = None
-    aux_loss_weight: float | None = None
-    trainable: str = "language"
-    train_vision_tower: bool = False
-    lora_r: int = 16
-    lora_alpha: int = 32
-    lora_dropout: float = 0.05
-    lora_targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
-    lr: float | None = None
-    router_lr: float | None = None
-    weight_decay: float = 0.0
-    scheduler: str = "cosine"
-    warmup: float = 0.03
-    max_steps: int | None = None
-    epochs: float = 1.0
-    batch_size: int = 8
-    gradient_accumulation_steps: int = 1
-    max_grad_norm: float = 1.0
-    mixed_precision: str = "no"
-    gradient_checkpointing: bool = False
-    num_workers: int = 0
-    cache_data: bool = False
-    num_frames: int = 8
-    seed: int = 0
-    save_steps: int = 0
-    save_total_limit: int | None = 2
-    eval_steps: int = 0
-    log_steps: int = 10
-    report_to: list[str] = field(default_factory=list)
-    resume: str | None = None
-    overwrite: bool = False
-    capacities: list[float] | None = None
-    distill_from: str | None = None
-    distill_weight: float = 1.0
-
-    def __post_init__(self) -> None:
-        choices = {
-            "trainable": (self.trainable, TRAINABLE),
-            "scheduler": (self.scheduler, SCHEDULERS),
-            "mixed_precision": (self.mixed_precision, PRECISIONS),
-        }
-        for key, (value, valid) in choices.items():
-            if value not in valid:
-                raise TrainError(f"{key} must be one of {', '.join(valid)}; got {value!r}")
-        if self.lr is None:
-            self.lr = ROUTER_ONLY_LR if self.trainable == "router" else LR
-        if isinstance(self.report_to, str):
-            self.report_to = [self.report_to]
-        for tracker in self.report_to:
-            if tracker not in TRACKERS:
-                raise TrainError(f"report_to: unknown tracker {tracker!r}; accelerate knows {', '.join(TRACKERS)}")
-        positive = {
-            "lr": self.lr, "batch_size": self.batch_size, "epochs": self.epochs,
-            "gradient_accumulation_steps": self.gradient_accumulation_steps, "lora_r": self.lora_r,
-        }
-        for key, value in positive.items():
-            if not value > 0:
-                raise TrainError(f"{key} must be > 0, got {value}")
-        if not (math.isfinite(self.distill_weight) and self.distill_weight >= 0):
-            raise TrainError(f"distill_weight must be a finite number >= 0, got {self.distill_weight}")
-        for c in self.capacities or []:
-            if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0.0 < c <= 1.0:
-                raise TrainError(f"capacities must be numbers in (0, 1], got {self.capacities!r}")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise TrainError(f"max_steps must be >= 1 (or left out to train by epochs), got {self.max_steps}")
-        for key in ("save_steps", "eval_steps", "log_steps", "num_workers", "warmup", "weight_decay"):
-            if getattr(self, key) < 0:
-                raise TrainError(f"{key} must be >= 0, got {getattr(self, key)}")
-        for key in ("lr", "epochs", "warmup", "weight_decay", "max_grad_norm", "lora_dropout", "router_lr",
-                    "aux_loss_weight"):
-            value = getattr(self, key)
-            if isinstance(value, float) and not math.isfinite(value):
-                raise TrainError(f"{key} must be a finite number, got {value}")
-        if self.max_grad_norm < 0:
-            raise TrainError(f"max_grad_norm must be >= 0 (0: no clipping), got {self.max_grad_norm}")
-        if self.overwrite and self.resume is not None:
-            raise TrainError("resume and overwrite contradict each other: continue the run in output_dir, or delete it")
-        if self.router_lr is not None and not self.router_lr > 0:
-            raise TrainError(f"router_lr must be > 0, got {self.router_lr}")
-        if self.mod is not None:
-            if self.aux_loss is not None or self.aux_loss_weight is not None:
-                raise TrainError("set aux_loss / aux_loss_weight inside `mod:` when the run converts the model")
-            self.mod_config()
-
-    def mod_config(self) -> MoDConfig:
-        """The MoDConfig of `mod:`, with its errors as config errors."""
-        assert self.mod is not None
-        if str(self.mod.get("layers", "")).startswith("arank"):
-            raise TrainError(
-                "mod.layers: ARank layer choice needs calibration; convert first with `vlmod convert "
-                "--layers arank:N --calib-data ...` and fine-tune the converted checkpoint"
-            )
-        try:
-            return MoDConfig.from_dict(dict(self.mod))
-        except (TypeError, ValueError) as e:
-            raise TrainError(f"mod: {e}") from None
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
-        """Settings as read from YAML: unknown keys, missing ones and values of the wrong type are
-        errors that name the key (YAML reads `2e-5` as a string, for one)."""
-        types = {f.name: str(f.type) for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - set(types))
-        if unknown:
-            raise TrainError(f"unknown finetune setting(s) {unknown}; valid keys: {', '.join(sorted(types))}")
-        missing = [k for k in ("model", "data", "output_dir") if d.get(k) in (None, "")]
-        if missing:
-            raise TrainError(f"missing required setting(s) {missing} (in the YAML or as --{missing[0].replace('_', '-')})")
-        return cls(**{k: _typed(k, v, types[k]) for k, v in d.items()})
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-def _typed(key: str, value: Any, annotation: str) -> Any:
-    """`value` as the type `annotation` names (int, float, bool, str, list, dict; `| None`)."""
-    if value is None and "None" in annotation:
-        return None
-    base = annotation.split("|")[0].strip().split("[")[0]
-    try:
-        if base == "float" and not isinstance(value, bool):
-            return float(value)
-        if base == "int" and not isinstance(value, bool) and float(value) == int(float(value)):
-            return int(float(value))
-        if base == "bool" and isinstance(value, bool):
-            return value
-        if base == "str" and isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return str(value)
-        if base == "list" and isinstance(value, (list, tuple, str)):
-            return [value] if isinstance(value, str) else list(value)
-        if base == "dict" and isinstance(value, dict):
-            return value
-    except (TypeError, ValueError):
-        pass
-    raise TrainError(f"{key} must be {annotation.replace(' | None', ' or empty')}, got {value!r}")
-
+from vlmod.train_config import (  # TrainConfig, TRAINABLE and config_from_args re-exported
+    TRAINABLE,
+    TrainConfig,
+    add_config_arguments,
+    config_from_args,
+)
 
 # ----------------------------------------------------------------------------- model
 
@@ -677,62 +503,12 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
 
 # ----------------------------------------------------------------------------- command line
 
-_OVERRIDES: tuple[tuple[str, Any, str], ...] = (
-    ("model", str, "checkpoint directory or hub id"),
-    ("data", str, "LLaVA-format training JSON"),
-    ("val_data", str, "LLaVA-format validation JSON (validation loss every --eval-steps)"),
-    ("image_root", str, "folder image/video paths are relative to (default: the JSON's folder)"),
-    ("output_dir", str, "where checkpoints/, model/ and train_log.json go"),
-    ("trainable", str, f"what trains: {', '.join(TRAINABLE)}"),
-    ("lr", float, f"learning rate (default: {LR}; {ROUTER_ONLY_LR} with --trainable router, as "
-     "configs/finetune/llava-1.5-7b-router.yaml)"),
-    ("router_lr", float, "learning rate of the routers (default: --lr)"),
-    ("max_steps", int, "optimizer steps (default: --epochs)"),
-    ("epochs", float, "epochs when --max-steps is not set"),
-    ("batch_size", int, "samples per process per micro-batch"),
-    ("gradient_accumulation_steps", int, "micro-batches per optimizer step"),
-    ("mixed_precision", str, f"{', '.join(PRECISIONS)}"),
-    ("save_steps", int, "accelerator.save_state every N steps (0: never)"),
-    ("eval_steps", int, "validation loss every N steps (0: never)"),
-    ("log_steps", int, "log loss / lr / skip rate every N steps"),
-    ("seed", int, "seed of the init, the shuffle and dropout"),
-    ("resume", str, "'latest' or a checkpoint directory: continue that run (a changed --lr, --max-steps, "
-     "data or other setting is refused, naming it)"),
-)
-
-
 def add_finetune_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The flags of `scripts/finetune.py` and `vlmod finetune`: a YAML config plus overrides."""
-    parser.add_argument("--config", help="YAML of TrainConfig settings (configs/finetune/*.yaml)")
-    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
-    for name, kind, help_text in _OVERRIDES:
-        default = defaults[name]
-        if "default" not in help_text:  # the flag's own default is None: the YAML may set it
-            shown = (
-                "no default: required, here or in --config" if default is dataclasses.MISSING
-                else f"default: {'not set' if default is None else default}"
-            )
-            help_text = f"{help_text} ({shown})"
-        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, default=None, help=help_text)
-    parser.add_argument("--report-to", dest="report_to", action="append", default=None,
-                        help=f"accelerate tracker ({', '.join(TRACKERS)}); repeat for several")
-    parser.add_argument("--gradient-checkpointing", dest="gradient_checkpointing", action="store_true", default=None,
-                        help="recompute activations in the backward pass: less memory, slower (default: off)")
-    parser.add_argument("--overwrite", dest="overwrite", action="store_true", default=None,
-                        help="delete what an earlier run left in --output-dir (checkpoints, model, logs) first")
+    add_config_arguments(parser)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(run=run_finetune)
     return parser
-
-
-def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    """The YAML of `--config` with the command-line overrides on top."""
-    settings = read_yaml_mapping(args.config, TrainError) if args.config else {}
-    for name in [o[0] for o in _OVERRIDES] + ["report_to", "gradient_checkpointing", "overwrite"]:
-        value = getattr(args, name, None)
-        if value is not None:
-            settings[name] = value
-    return TrainConfig.from_dict(settings)
 
 
 def run_finetune(args: argparse.Namespace) -> int:
