@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from vlmod import tiny
 from vlmod.data.synthetic import generate
-from vlmod.train import TrainConfig, TrainError, _check_launch, train
+from vlmod.train import TrainConfig, TrainError, _check_launch, _takes_loss_kwargs, train
 
 ROOT = Path(__file__).parents[1]
 
@@ -89,3 +89,10 @@ def test_a_launch_accelerate_did_not_distribute_is_refused(monkeypatch: pytest.M
     _check_launch(_accelerator(DistributedType.MULTI_CPU, 2))
     monkeypatch.delenv("WORLD_SIZE")
     _check_launch(_accelerator(DistributedType.NO, 1))
+
+
+def test_token_weighting_follows_what_each_model_declares() -> None:
+    """The global token count goes to a model's loss only where transformers' Trainer would pass
+    it: Qwen-VL models declare `accepts_loss_kwargs = False` and keep their own mean."""
+    assert _takes_loss_kwargs(tiny.build("llava")[0])
+    assert not _takes_loss_kwargs(tiny.build("qwen3_vl")[0])

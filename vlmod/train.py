@@ -195,13 +195,17 @@ def answer_token_share(batch: dict[str, Any], accelerator: Any) -> Tensor:
 
 
 def _takes_loss_kwargs(model: nn.Module) -> bool:
-    """Whether the model's forward passes extra keywords on to its loss (every transformers VLM
-    does; a model that does not keeps its per-process mean)."""
+    """Whether the model's loss takes `num_items_in_batch`, decided as transformers' Trainer does:
+    the model's own `accepts_loss_kwargs` where it says (Qwen3-VL says False), else whether its
+    forward takes **kwargs. A model that does not keeps its per-process mean."""
     import inspect
 
-    forward = getattr(model, "forward", None)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # under LoRA
+    declared = getattr(base, "accepts_loss_kwargs", None)
+    if declared is not None:
+        return bool(declared)
     try:
-        params = inspect.signature(forward).parameters.values()
+        params = inspect.signature(base.forward).parameters.values()
     except (TypeError, ValueError):
         return False
     return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
