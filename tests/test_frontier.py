@@ -216,7 +216,7 @@ def test_frame_subsampling_runs_fewer_frames_and_counts_them(model_and_processor
 
 def test_compute_points_reach_their_targets() -> None:
     dims = DecoderDims(dim=128, layers=8, heads=4, kv_heads=2, head_dim=32, mlp_hidden=256, vocab=200)
-    counts = TokenCounts(text=20, vision=128, frames=8)
+    counts = TokenCounts(text=20, vision=127.5, frames=8)  # a mean over samples: no whole slots
     dense = language_prefill_flops(dims, counts.total)
     layers = list(range(1, 8))
     for target in (1.5, 2.0, 3.0):
@@ -226,6 +226,25 @@ def test_compute_points_reach_their_targets() -> None:
         assert dense / language_prefill_flops(dims, counts.text + keep * counts.vision) == pytest.approx(target, rel=1e-6)
     assert solve_frames(dims, counts, 2.0) == 4 and solve_frames(dims, counts, 100.0) == 1
     assert solve_capacity(dims, counts, 100.0, layers, None) == pytest.approx(1e-4)  # out of reach: the least
+
+
+@pytest.mark.parametrize("schedule", [None, "cosine"])
+def test_compute_points_in_whole_slots_never_land_above_their_flops(schedule: str | None) -> None:
+    """k = ceil(capacity * n) rounds up: a capacity solved without it ran 10 of 64 tokens for 9.1
+    (2.91x for a 3x point). The solved capacity runs the most slots that stay at or under the target."""
+    dims = DecoderDims(dim=128, layers=8, heads=8, kv_heads=2, head_dim=16, mlp_hidden=256, vocab=200)
+    counts = TokenCounts(text=10, vision=64)
+    dense = language_prefill_flops(dims, counts.total)
+    layers = list(range(1, 8))
+    for target in (1.5, 2.0, 3.0, 3.5):
+        c = solve_capacity(dims, counts, target, layers, schedule)
+        assert dense / mod_language_flops(dims, counts, c, layers, schedule) >= target
+        assert dense / mod_language_flops(dims, counts, c + 1.5 / 64, layers, schedule) < target  # one slot more
+        if schedule is None:
+            assert c * 64 == round(c * 64)  # exactly k / n
+            keep = solve_keep(dims, counts, target)  # pre-LLM reduction keeps ceil(keep * n) too
+            assert dense / language_prefill_flops(dims, counts.text + math.ceil(keep * 64 - 1e-9)) >= target
+            assert dense / language_prefill_flops(dims, counts.text + math.ceil(keep * 64 - 1e-9) + 1) < target
 
 
 # ----------------------------------------------------------------------------- capacity-elastic fine-tuning

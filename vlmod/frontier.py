@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from vlmod.flops import DecoderDims, language_prefill_flops
-from vlmod.routing.schedule import layer_capacities
+from vlmod.routing.schedule import capacity_to_k, layer_capacities
 
 METHOD_LABELS = {
     "dense": "dense",
@@ -49,8 +49,9 @@ class TokenCounts:
         return self.text + self.vision
 
 
-def _bisect(f: Any, lo: float, hi: float, target: float, steps: int = 60) -> float:
-    """x in [lo, hi] with f(x) = target for f increasing in x (clamped to the ends)."""
+def _bisect(f: Any, lo: float, hi: float, target: float, steps: int = 60, at_most: bool = False) -> float:
+    """x in [lo, hi] with f(x) = target for f increasing in x (clamped to the ends); `at_most`:
+    the x just under a step of f that jumps over the target (f(x) <= target)."""
     if f(lo) >= target:
         return lo
     if f(hi) <= target:
@@ -58,7 +59,21 @@ def _bisect(f: Any, lo: float, hi: float, target: float, steps: int = 60) -> flo
     for _ in range(steps):
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if f(mid) < target else (lo, mid)
-    return hi
+    return lo if at_most else hi
+
+
+def _routed(capacity: float, vision: float) -> float:
+    """Vision tokens a MoD layer runs at `capacity`: whole slots (k = ceil(capacity * n), as the
+    engine counts them) when every sample has the same `vision` tokens, else the mean's share."""
+    return capacity_to_k(capacity, int(vision)) if float(vision).is_integer() else capacity * vision
+
+
+def _whole_slots(fraction: float, vision: float) -> float:
+    """`fraction` as exactly k / n where slots are whole: reads better, and no float noise at the
+    edge of a step can round k up."""
+    if not float(vision).is_integer() or not vision:
+        return fraction
+    return capacity_to_k(fraction, int(vision)) / vision
 
 
 def mod_language_flops(dims: DecoderDims, counts: TokenCounts, capacity: float, layers: Sequence[int],
@@ -66,23 +81,29 @@ def mod_language_flops(dims: DecoderDims, counts: TokenCounts, capacity: float, 
     """Language prefill FLOPs of MoD at mean `capacity` on `layers`, plus a per-MoD-layer overhead
     (the attention router's scoring)."""
     caps = layer_capacities(capacity, layers, dims.layers, schedule)
-    processed = {i: counts.text + c * counts.vision for i, c in caps.items()}
+    processed = {i: counts.text + _routed(c, counts.vision) for i, c in caps.items()}
     return language_prefill_flops(dims, counts.total, processed) + overhead_per_layer * len(caps)
 
 
 def solve_capacity(dims: DecoderDims, counts: TokenCounts, reduction: float, layers: Sequence[int],
                    schedule: str | None, overhead_per_layer: float = 0.0) -> float:
-    """Mean MoD capacity whose language prefill FLOPs (with its overhead) are dense / `reduction`;
-    the smallest capacity tried (1e-4) where the target is out of reach."""
+    """Mean MoD capacity whose language prefill FLOPs (with its overhead) are at most dense /
+    `reduction`: with whole slots, the most slots under the target (so a point never lands above
+    its FLOPs because k was rounded up); the smallest capacity tried (1e-4) where the target is out
+    of reach."""
     target = language_prefill_flops(dims, counts.total) / reduction
-    return _bisect(lambda c: mod_language_flops(dims, counts, c, layers, schedule, overhead_per_layer), 1e-4, 1.0,
-                   target)
+    capacity = _bisect(lambda c: mod_language_flops(dims, counts, c, layers, schedule, overhead_per_layer), 1e-4,
+                       1.0, target, at_most=True)
+    return _whole_slots(capacity, counts.vision) if schedule is None else capacity
 
 
 def solve_keep(dims: DecoderDims, counts: TokenCounts, reduction: float) -> float:
-    """Fraction of vision tokens a pre-LLM reduction keeps for dense / `reduction` LM FLOPs."""
+    """Fraction of vision tokens a pre-LLM reduction keeps for at most dense / `reduction` LM FLOPs
+    (it keeps ceil(keep * n) too)."""
     target = language_prefill_flops(dims, counts.total) / reduction
-    return _bisect(lambda r: language_prefill_flops(dims, counts.text + r * counts.vision), 1e-4, 1.0, target)
+    keep = _bisect(lambda r: language_prefill_flops(dims, counts.text + _routed(r, counts.vision)), 1e-4, 1.0,
+                   target, at_most=True)
+    return _whole_slots(keep, counts.vision)
 
 
 def solve_frames(dims: DecoderDims, counts: TokenCounts, reduction: float) -> int:
