@@ -55,7 +55,7 @@ class RecipeSettings:
     distractors: int = 0
     width: int = 128
     layers: int = 8
-    heads: int = 4
+    heads: int = 8
     kv_heads: int = 2
     vision_width: int = 128
     vision_layers: int = 2
