@@ -62,8 +62,13 @@ def test_the_demo_model_installs_from_a_recipe_run(image_run: tuple) -> None:
     build = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(build)
     model = vlmod.load_pretrained(out / "mod" / "model")
-    build.install(out / "mod" / "model", out / "assets" / "model")
+    build.install(out / "mod" / "model", out / "assets" / "model", routable=("image", "video"))
     assert vlmod.mod_layers(vlmod.load_pretrained(out / "assets" / "model")) == vlmod.mod_layers(model)
+    # A video recipe's model routes only video tokens; the demo's copy routes pictures too.
+    config = json.loads((out / "assets" / "model" / "config.json").read_text())
+    assert config["vlmod"]["language"]["routable"] == ["image", "video"]
+    build.install(out / "dense" / "model", out / "assets" / "dense", routable=("image", "video"))
+    assert "vlmod" not in json.loads((out / "assets" / "dense" / "config.json").read_text())
 
 
 def test_reuse_dense_refuses_other_settings(image_run: tuple) -> None:
