@@ -92,7 +92,7 @@ class RecipeSettings:
         base: dict[str, Any] = {"task": task}
         if task == "video":
             base.update(num_train=8000, num_val=420, batch_size=16, eval_batch_size=16,
-                        image_steps=1500, num_train_images=8000, dense_steps=1200, mod_steps=500)
+                        image_steps=1500, num_train_images=8000, dense_steps=1200, mod_steps=1500)
         if quick:
             base.update(
                 num_train=32 if task == "image" else 28, num_val=8 if task == "image" else 14, width=64, layers=4,
