@@ -243,7 +243,7 @@ def test_scripts_show_defaults_too(capsys):
     with pytest.raises(SystemExit):
         module.main(["--help"])
     out = " ".join(capsys.readouterr().out.split())
-    assert "(default: runs/synthetic-" in out and "(default: image)" in out
+    assert "(default: runs/synthetic-" in out and "(default: video)" in out
 
 
 def test_router_only_training_gets_the_router_learning_rate():
