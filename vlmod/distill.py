@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from vlmod.data.collate import IGNORE_INDEX
+from vlmod.data.collate import answer_mask
 
 
 def distillation_loss(
@@ -29,7 +29,7 @@ def distillation_loss(
     """KL(teacher || student) over the positions that predict an answer token: their mean, or
     their sum over `num_items` (a multi-process run divides by its share of the global count, as
     the language-model loss does, so every answer token weighs alike)."""
-    mask = labels[:, 1:] != IGNORE_INDEX
+    mask = answer_mask(labels)
     s = student_logits[:, :-1][mask].float() / temperature
     t = teacher_logits[:, :-1][mask].float() / temperature
     if s.numel() == 0:

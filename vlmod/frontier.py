@@ -71,9 +71,7 @@ def _routed(capacity: float, vision: float) -> float:
 def _whole_slots(fraction: float, vision: float) -> float:
     """`fraction` as exactly k / n where slots are whole: reads better, and no float noise at the
     edge of a step can round k up."""
-    if not float(vision).is_integer() or not vision:
-        return fraction
-    return capacity_to_k(fraction, int(vision)) / vision
+    return _routed(fraction, vision) / vision if vision else fraction
 
 
 def mod_language_flops(dims: DecoderDims, counts: TokenCounts, capacity: float, layers: Sequence[int],

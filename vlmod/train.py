@@ -51,7 +51,7 @@ from vlmod.checkpoints import (
     save_checkpoint,
     save_model,
 )
-from vlmod.data.collate import IGNORE_INDEX
+from vlmod.data.collate import answer_mask
 from vlmod.errors import TrainError
 from vlmod.fileio import write_json
 from vlmod.train_config import (  # TrainConfig, TRAINABLE and config_from_args re-exported
@@ -189,7 +189,7 @@ def answer_token_share(batch: dict[str, Any], accelerator: Any) -> Tensor:
     sum over tokens scaled so that DDP's mean of the processes' gradients is the gradient of the
     global per-token mean: what one process computes on the whole batch, whatever the answer
     lengths (each process's own token mean would weigh every process alike instead)."""
-    local = (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
+    local = answer_mask(batch["labels"]).sum()
     total = accelerator.reduce(local, reduction="sum")
     return total.clamp_min(1).float() / accelerator.num_processes
 

@@ -50,6 +50,11 @@ from vlmod.data.llava_format import (
 )
 
 IGNORE_INDEX = -100
+
+
+def answer_mask(labels: torch.Tensor) -> torch.Tensor:
+    """[B, L-1] bool: the positions whose next token is an answer token (what the loss counts)."""
+    return labels[:, 1:] != IGNORE_INDEX
 TEXT_KEYS = ("input_ids", "attention_mask", "labels")
 _PLACEHOLDER = re.compile(f"({re.escape(IMAGE_TOKEN)}|{re.escape(VIDEO_TOKEN)})")
 _ARTICLES = frozenset({"a", "an", "the"})
