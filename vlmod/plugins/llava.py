@@ -108,11 +108,13 @@ class _KeySlots:
         self.pos: list[Tensor] = []
         self.valid: list[Tensor | None] = []
         self.length = 0
+        self.with_filler = 0  # chunks with a validity tensor: none means every slot is valid
 
     def append(self, pos: Tensor, valid: Tensor | None) -> None:
         self.pos.append(pos)
         self.valid.append(valid)
         self.length += pos.shape[1]
+        self.with_filler += valid is not None
 
     def trim(self, n: int, layer_idx: int) -> None:
         """Keep the first `n` slots (the cache was cropped, or a forward is recomputed)."""
@@ -123,15 +125,16 @@ class _KeySlots:
             )
         if n < self.length:
             pos, valid = self.positions(), self.validity()
-            self.pos, self.valid, self.length = [pos[:, :n]], [None if valid is None else valid[:, :n]], n
+            valid = None if valid is None else valid[:, :n]
+            self.pos, self.valid, self.length, self.with_filler = [pos[:, :n]], [valid], n, int(valid is not None)
 
     def _join(self) -> None:
         if len(self.pos) > 1:
             valid = None
-            if any(v is not None for v in self.valid):
+            if self.with_filler:
                 parts = [torch.ones_like(p, dtype=torch.bool) if v is None else v for p, v in zip(self.pos, self.valid, strict=True)]
                 valid = torch.cat(parts, dim=1)
-            self.pos, self.valid = [torch.cat(self.pos, dim=1)], [valid]
+            self.pos, self.valid, self.with_filler = [torch.cat(self.pos, dim=1)], [valid], int(valid is not None)
 
     def positions(self) -> Tensor:
         """[B, n] absolute position of each slot."""
@@ -140,7 +143,7 @@ class _KeySlots:
 
     def validity(self) -> Tensor | None:
         """[B, n] bool, or None when every slot is valid."""
-        if all(v is None for v in self.valid):
+        if not self.with_filler:
             return None
         self._join()
         return self.valid[0]

@@ -83,10 +83,15 @@ class MoDPart:
         owner = self.root if self.config.share_router else self.blocks[layer_idx]
         return getattr(owner, ROUTER_ATTR)
 
+    @property
+    def recording(self) -> bool:
+        """Whether forwards keep anything (a trace, or the BCE aux loss)."""
+        return self.trace is not None or self.config.aux_loss == "bce"
+
     def record(self, layer_idx: int, sel: Selection, scores: Tensor, layout: TokenLayout) -> None:
         """Keep the aux loss and the trace of this layer's forward (by layer, so a checkpoint rerun
         overwrites rather than adds)."""
-        if self.config.aux_loss != "bce" and self.trace is None:
+        if not self.recording:
             return
         if sel.index is None:
             processed = torch.ones(layout.shape, dtype=torch.bool, device=scores.device)
@@ -112,14 +117,20 @@ class LayerRouting:
         part, cfg, adapter = self.part, self.part.config, self.part.adapter
         x = adapter.hidden_states(args, kwargs)
         layout = adapter.layout(part, x, args, kwargs)
-        scores = part.router_for(self.layer_idx)(x)
+        router = part.router_for(self.layer_idx)
         if layout.every_token:
-            # A decode step: every token runs, so no keys, ranking, gather or scatter.
+            # A decode step: every token runs, so no keys, ranking, gather or scatter. The router
+            # runs after the block, right before the gate: after a block's matmuls the caches are
+            # cold, and each run of small ops pays that once (a decode step is mostly small ops).
             sel = Selection(index=None, valid=None, length=x.shape[1])
             y = adapter.run(upstream, x, sel, args, kwargs, self.layer_idx)
-            out = gated_residual(x, y, scores, cfg.gate, cfg.gate_alpha)
-            part.record(self.layer_idx, sel, scores, layout)
+            logits = router.logits(x)  # [B, 1, 1]
+            out = gated_residual(x, y, logits, cfg.gate, cfg.gate_alpha)
+            if part.recording:
+                part.record(self.layer_idx, sel, logits.squeeze(-1), layout)
             return adapter.output(out, args, kwargs)
+        logits = router.logits(x)  # [B, L, 1]
+        scores = logits.squeeze(-1)
         keys = self.keys(x, scores, layout, args, kwargs)
         sel = select_tokens(keys, layout, self.capacity)
         if sel.index is not None and sel.index.shape[1] == 0:
@@ -127,7 +138,7 @@ class LayerRouting:
             return adapter.output(x, args, kwargs)
         x_sel = sel.gather(x)
         y_sel = adapter.run(upstream, x_sel, sel, args, kwargs, self.layer_idx)
-        new = gated_residual(x_sel, y_sel, sel.gather(scores), cfg.gate, cfg.gate_alpha)
+        new = gated_residual(x_sel, y_sel, sel.gather(logits), cfg.gate, cfg.gate_alpha)
         if sel.valid is not None:
             new = torch.where(sel.valid.unsqueeze(-1), new, x_sel)
         out = sel.scatter(x, new)

@@ -18,7 +18,14 @@ class Router(nn.Linear):
         nn.init.zeros_(self.bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        """x [B, L, D] -> router logits [B, L], always float32.
+        """x [B, L, D] -> router logits [B, L], always float32 (see `logits`)."""
+        return self.logits(x).squeeze(-1)
+
+    def logits(self, x: Tensor) -> Tensor:
+        """x [B, L, D] -> router logits [B, L, 1], always float32: the shape the gate meets the
+        token states in, so a decode step needs no squeeze or unsqueeze. MoD layers call this
+        directly, inside their block's forward (whose hooks have run): a module call would add
+        its hook machinery to every layer and step.
 
         The weights stay in the model's dtype (checkpoints and FSDP's flat parameters keep one
         dtype), but the logits are computed in float32, also under autocast: in bfloat16 they
@@ -31,16 +38,16 @@ class Router(nn.Linear):
             x = x.float()
         if torch.is_autocast_enabled(x.device.type):
             with torch.autocast(x.device.type, enabled=False):
-                return F.linear(x, weight, bias).squeeze(-1)
-        return F.linear(x, weight, bias).squeeze(-1)
+                return F.linear(x, weight, bias)
+        return F.linear(x, weight, bias)
 
 
 def gate_offset(scores: Tensor, kind: str, alpha: float) -> Tensor | None:
     """g(r) - 1 per token in float32, or None when g is identically 1.
 
-    The offset, not g itself, is what meets the token states: near g = 1 a bfloat16 g has a step
-    of 2^-7 (0.2 tanh(r) would have to exceed it before the gate moved at all), while the offset
-    in bfloat16 keeps 8 significant bits of its own size."""
+    The offset, not g itself, is what meets low-precision token states: near g = 1 a bfloat16 g
+    has a step of 2^-7 (0.2 tanh(r) would have to exceed it before the gate moved at all), while
+    the offset in bfloat16 keeps 8 significant bits of its own size."""
     if scores.dtype != torch.float32:  # a no-op .float() still costs a dispatch per layer and step
         scores = scores.float()
     if kind == "tanh":
@@ -53,20 +60,37 @@ def gate_offset(scores: Tensor, kind: str, alpha: float) -> Tensor | None:
 
 
 def gate(scores: Tensor, kind: str, alpha: float) -> Tensor | None:
-    """g(r) per token (float32), or None when g is identically 1."""
-    offset = gate_offset(scores, kind, alpha)
-    return None if offset is None else 1.0 + offset
+    """g(r) per token in float32 (two ops), or None when g is identically 1."""
+    if scores.dtype != torch.float32:
+        scores = scores.float()
+    if kind == "tanh":
+        return torch.add(1.0, torch.tanh(scores), alpha=alpha)  # exactly 1 where r = 0
+    if kind == "sigmoid":
+        return 2.0 * torch.sigmoid(scores)
+    if kind == "none":
+        return None
+    raise ValueError(f"unknown gate {kind!r}")
 
 
 def gated_residual(x: Tensor, y: Tensor, scores: Tensor, kind: str, alpha: float) -> Tensor:
-    """x + g(r) (y - x) = y + (g(r) - 1) (y - x) for token states x, y [B, K, D] and router logits
-    r [B, K], in the dtype of y (never upcast): g == 1 gives y bit for bit (a fresh conversion at
-    capacity 1.0 is the upstream model exactly, in any dtype), and the gate stays on the gradient
-    path of the router. The offset g - 1 is computed in float32 and cast once (`gate_offset`)."""
+    """x + g(r) (y - x) for token states x, y [B, K, D] and router logits r ([B, K] or [B, K, 1]),
+    in the dtype of y (never upcast): g == 1 gives y bit for bit (a fresh conversion at capacity
+    1.0 is the upstream model exactly, in any dtype), and the gate stays on the gradient path of
+    the router.
+
+    Float32 states take one `torch.lerp` (one pass over x and y; for g >= 0.5 it computes
+    y - (1 - g)(y - x), so g == 1 is exact). Lower precisions take y + (g - 1)(y - x) with the
+    offset g - 1 from float32 (`gate_offset`): a bfloat16 g near 1 would round small gates away."""
+    if y.dtype == torch.float32:
+        weight = gate(scores, kind, alpha)
+        if weight is None:
+            return y
+        return torch.lerp(x, y, weight if weight.dim() == y.dim() else weight.unsqueeze(-1))
     offset = gate_offset(scores, kind, alpha)
     if offset is None:
         return y
-    offset = offset.unsqueeze(-1)
+    if offset.dim() < y.dim():
+        offset = offset.unsqueeze(-1)
     if offset.dtype != y.dtype:
         offset = offset.to(y.dtype)
     return torch.addcmul(y, y - x, offset)
