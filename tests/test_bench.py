@@ -67,6 +67,13 @@ def test_bench_llava_measures_a_converted_checkpoint_as_saved(converted_checkpoi
         assert r["decode_tokens_per_s"] == pytest.approx(1 / r["decode_step_s"])
         assert r["peak_memory_bytes"] > 0
     assert math.isfinite(result["decode_speedup"]) and result["decode_speedup"] > 0
+    # And in lockstep: one step of each model in turn, as many steps as generate timed.
+    lockstep = result["decode_lockstep"]
+    assert lockstep["steps"] == 4 * 2 and all(len(lockstep["samples_s"][n]) == 8 for n in ("dense", "mod"))
+    pairs = [d / m for d, m in zip(*(lockstep["samples_s"][n] for n in ("dense", "mod")), strict=True)]
+    assert lockstep["speedup"] == pytest.approx(statistics.median(pairs), rel=1e-3)
+    assert math.isfinite(lockstep["speedup"]) and lockstep["speedup"] > 0
+    assert "decode in lockstep (dense and MoD one step each in turn, 8 pairs)" in printed
     assert result["mod"]["flops"] < result["dense"]["flops"]
     assert set(result["contention"]) == {"prefill", "decode"}
 
@@ -84,6 +91,7 @@ def test_bench_llava_one_new_token_has_no_decode_figure(tmp_path, capsys):
     printed = capsys.readouterr().out
     result = json.loads(out.read_text())
     assert result["dense"]["decode_tokens_per_s"] is None and result["decode_speedup"] is None
+    assert result["decode_lockstep"] is None and "lockstep" not in printed
     assert "no decode step to time" in printed and "e+" not in printed
 
 

@@ -19,6 +19,7 @@ from vlmod.bench.generation import (
     bench_llava,
     generation_footprint,
     kv_cache_bytes,
+    lockstep_decode,
 )
 from vlmod.bench.inputs import parse_layers, prompt_text, synthetic_clip, synthetic_image
 from vlmod.bench.report import (
@@ -68,6 +69,7 @@ __all__ = [
     "generation_footprint",
     "kv_cache_bytes",
     "load_average",
+    "lockstep_decode",
     "parse_layers",
     "peak_memory_bytes",
     "prompt_text",

@@ -28,6 +28,7 @@ from vlmod.bench.timing import (
     load_average,
     peak_memory_bytes,
     set_threads,
+    spread,
     time_interleaved,
 )
 from vlmod.errors import InputError
@@ -205,6 +206,44 @@ def decode_figures(
     return figures, judged, paired
 
 
+def lockstep_decode(
+    models: Mapping[str, nn.Module], inputs: Mapping[str, Any], steps: int, cache: str = DEFAULT_CACHE, warmup: int = 2
+) -> dict[str, Any]:
+    """Decode steps of dense and MoD in lockstep: after one prefill each, one step of each model in
+    turn (the order alternating), each on its own greedy tokens, `warmup` steps untimed.
+
+    Why: timed inside `generate`, the two models' steps come from different calls, and on a
+    shared CPU a slow phase can last a whole call (steps of one model 66 ms in one call, 78 in
+    the next); here the two steps of a pair are adjacent in time, so such phases hit both. The
+    figure is the median over pairs of dense step / MoD step."""
+    names = list(models)
+    state: dict[str, list[Any]] = {}
+    times: dict[str, list[float]] = {name: [] for name in names}
+    with torch.inference_mode():
+        for name, model in models.items():
+            out = model(**inputs, **cache_kwargs(model, cache, steps + warmup + 1), use_cache=True, logits_to_keep=1)
+            state[name] = [out.past_key_values, out.logits[:, -1:].argmax(-1), inputs["attention_mask"]]
+        for i in range(warmup + steps):
+            for name in names if i % 2 == 0 else names[::-1]:
+                past, token, mask = state[name]
+                mask = torch.cat([mask, torch.ones_like(token)], dim=1)
+                start = time.perf_counter()
+                out = models[name](input_ids=token, attention_mask=mask, past_key_values=past, use_cache=True)
+                token = out.logits[:, -1:].argmax(-1)
+                if token.is_cuda:
+                    torch.cuda.synchronize(token.device)
+                if i >= warmup:
+                    times[name].append(time.perf_counter() - start)
+                state[name] = [past, token, mask]
+    result: dict[str, Any] = {"steps": steps, **{f"{n}_step_s": statistics.median(times[n]) for n in names}}
+    if {"dense", "mod"} <= set(names):
+        pairs = [d / m for d, m in zip(times["dense"], times["mod"], strict=True)]
+        result["speedup"] = statistics.median(pairs)
+        result["spread"] = spread(pairs)
+    result["samples_s"] = {n: [round(t, 6) for t in times[n]] for n in names}
+    return result
+
+
 def bench_generation(
     dense: nn.Module,
     mod: nn.Module,
@@ -243,6 +282,7 @@ def bench_generation(
     )
     prefill_judged = contention(prefill)
     decode, decode_judged, paired = decode_figures(clocks, timings, repeats, batch)
+    lockstep = lockstep_decode(models, inputs, new_tokens * repeats, cache) if new_tokens > 1 else None
     peaks = {
         n: peak_memory_bytes(lambda m=m: m.generate(**inputs, **gen, **cache_kwargs(m, cache, new_tokens)))
         for n, m in models.items()
@@ -258,6 +298,7 @@ def bench_generation(
     result.update(speedups(result, flops, kv))
     result.update(
         decode_speedup_paired=paired,
+        decode_lockstep=lockstep,
         contended=prefill_judged.contended or decode_judged.contended,
         contention={"prefill": prefill_judged.as_dict(), "decode": decode_judged.as_dict()},
         timed_repeats={"prefill": prefill_judged.clean_repeats, "generate": decode_judged.clean_repeats},

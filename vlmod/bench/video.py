@@ -27,6 +27,7 @@ from vlmod.bench.generation import (
     check_cache,
     decode_figures,
     generation_footprint,
+    lockstep_decode,
     model_figures,
     prompt_counts,
     speedups,
@@ -245,6 +246,7 @@ def _time_video(
     )
     prefill_judged = contention(prefill)
     decode, e2e_judged, paired = decode_figures(clocks, end_to_end, repeats, batch)
+    lockstep = lockstep_decode(models, inputs, new_tokens * repeats, cache) if new_tokens > 1 else None
     used = e2e_judged.clean_repeats
     peaks = {
         n: peak_memory_bytes(lambda m=m: m.generate(**inputs, **gen, **cache_kwargs(m, cache, new_tokens)))
@@ -272,6 +274,7 @@ def _time_video(
         prompt_tokens=prompt_tokens,
         speedup=result["mod"]["frames_per_s"] / result["dense"]["frames_per_s"],
         decode_speedup_paired=paired,
+        decode_lockstep=lockstep,
         decode_only_frames_per_s=num_frames / decode_video.median(),
         decode_only_s=decode_video.median(),
         contended=prefill_judged.contended or e2e_judged.contended,
