@@ -73,7 +73,7 @@ class RecipeSettings:
     targets: tuple[float, ...] = (1.5, 2.0, 3.0, 3.5)
     goal: float = 3.0
     rank_samples: int = 64
-    mod_steps: int = 1600
+    mod_steps: int = 2100
     mod_lr: float = 5e-4
     router_lr: float = 5e-3
     routers: tuple[str, ...] = ("random", "stride", "attention")
