@@ -305,3 +305,28 @@ def test_distillation_loss_is_zero_only_for_the_teacher() -> None:
     mean = distillation_loss(other, logits, labels)
     assert float(distillation_loss(other, logits, labels, num_items=4)) == pytest.approx(float(mean))
     assert float(distillation_loss(other, logits, labels, num_items=torch.tensor(8.0))) == pytest.approx(float(mean) / 2)
+
+
+def _row(method: str, correct: str, target: float | None = None, reduction: float = 1.0) -> dict:
+    return {"method": method, "target": target, "accuracy": correct.count("1") / len(correct),
+            "language_reduction": reduction, "correct": correct}
+
+
+def test_the_gap_to_dense_is_paired_per_question() -> None:
+    from vlmod.frontier import paired_gap, verdicts
+
+    dense = _row("dense", "1" * 90 + "0" * 10)
+    same = _row("learned", "1" * 90 + "0" * 10, 3.0, 3.0)
+    assert paired_gap(same, dense) == (0.0, 0.0, 0.0)  # the same answers: no noise at all
+    swapped = _row("learned", "0" * 10 + "1" * 80 + "0" * 10, 3.0, 3.0)  # 10 questions lost, none gained
+    gap, low, high = paired_gap(swapped, dense)
+    assert gap == pytest.approx(-10.0) and low < gap < high
+    # d is -1 on 10 of 100 questions: sd = sqrt(0.1 * 0.9 * 100 / 99), half width 1.96 sd / 10
+    assert high - gap == pytest.approx(100 * 1.96 * math.sqrt(0.09 * 100 / 99) / 10)
+    assert paired_gap(swapped, _row("dense", "1" * 50)) is None  # other questions: no pairing
+    one_off = _row("learned", "0" + "1" * 89 + "0" * 10, 3.0, 3.0)  # -1 point, one question
+    lines = verdicts([dense, one_off])
+    assert lines[0].startswith("/3 (3.00x fewer LM FLOPs measured): MoD 89.0% (-1.0 points vs dense, 95% interval")
+    assert "met (at 3.00x), but the 95% interval" in lines[-1] and "within this eval set's noise" in lines[-1]
+    assert "stays within it" in verdicts([dense, same])[-1]
+    assert verdicts([dense, swapped])[-1].endswith("NOT met")

@@ -42,6 +42,8 @@ def test_recipe_writes_every_method_at_every_compute_point(task: str, image_run:
     for r in rows:
         assert set(r["gflops"]) == {"vision", "language"}
         assert r["language_reduction"] == pytest.approx(dense["gflops"]["language"] / r["gflops"]["language"])
+        # Every method answered the same questions, one mark each, so its gap to dense is paired.
+        assert len(r["correct"]) == r["samples"] == s.num_val and r["correct"].count("1") == round(r["accuracy"] * s.num_val)
     tower = next(r for r in rows if r["method"] == "learned+vision")
     assert tower["gflops"]["vision"] < dense["gflops"]["vision"]
     if task == "video":
