@@ -211,6 +211,35 @@ def test_video_answers_match_the_frames(data_dir):
                     assert (miss <= 2) == (a <= t <= b) and (a <= t <= b or miss > 40), (r["id"], obj, t, miss)
 
 
+def test_captions_name_every_object_of_the_training_samples_only(tmp_path, data_dir):
+    out = tmp_path / "captioned"
+    summary = syn.generate(out, 72, 24, seed=0, video=True, num_videos=16, num_val_videos=4, captions=True)
+    for name, media in (("train", "image"), ("video_train", "video")):
+        plain, captioned = _records(data_dir, name), _records(out, name)
+        assert captioned[: len(plain)] == plain  # the questions are untouched
+        captions = captioned[len(plain):]
+        assert [c["id"] for c in captions] == [f"caption-{r['id']}" for r in plain]
+        assert sum(sum(v.values()) for v in summary.answer_counts[name].values()) == len(plain)  # questions only
+        for r, c in zip(plain, captions, strict=True):
+            meta, answer = r["meta"], r["conversations"][1]["value"]
+            assert c[media] == r[media] and c["conversations"][0]["value"] == f"<{media}>\ndescribe the {media} ."
+            said = c["conversations"][1]["value"].split(" , ")
+            named = {" ".join(x.split()[:2]): x for x in said}
+            assert sorted(" ".join(x.split()[:2]) for x in said) == sorted(
+                f"{o['color']} {o['shape']}" for o in meta["objects"])
+            target = meta["objects"][meta.get("target", 0)]
+            if media == "image":  # reading order, each with its cell
+                assert said == [f"{o['color']} {o['shape']} {syn.POSITIONS[o['cell']]}"
+                                for o in sorted(meta["objects"], key=lambda o: o["cell"])]
+            elif meta["type"] in ("direction", "when"):  # how the object moves, or the third it is shown in
+                assert named[f"{target['color']} {target['shape']}"].endswith(answer)
+            elif meta["type"] == "last":  # order of appearance
+                assert said[-1].split()[1] == answer
+    for name in ("val", "video_val"):
+        assert _records(out, name) == _records(data_dir, name)
+    assert json.loads((out / "meta.json").read_text())["captions"] is True
+
+
 def test_generate_rejects_bad_settings(tmp_path):
     with pytest.raises(ValueError, match="image_size"):
         syn.generate(tmp_path, 1, 1, image_size=8)

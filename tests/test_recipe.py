@@ -48,6 +48,9 @@ def test_recipe_writes_every_method_at_every_compute_point(task: str, image_run:
     assert tower["gflops"]["vision"] < dense["gflops"]["vision"]
     if task == "video":
         assert "train on images" in saved["stage_seconds"]  # the video model starts from the image stage
+        for name in ("train", "video_train"):  # its dense stages see every object named (captions)
+            records = json.loads((out / "data" / f"{name}.json").read_text())
+            assert sum(r["meta"]["type"] == "caption" for r in records) == len(records) // 2
         frames = [r for r in rows if r["method"] == "frames"]
         assert all(r["gflops"]["vision"] < dense["gflops"]["vision"] for r in frames)
         assert "direction*" in (out / "results.md").read_text()

@@ -53,6 +53,7 @@ class RecipeSettings:
     image_size: int = 32
     frames: int = 8
     distractors: int = 0
+    captions: bool = False
     width: int = 128
     layers: int = 8
     heads: int = 8
@@ -91,8 +92,8 @@ class RecipeSettings:
             raise InputError(f"--task must be one of {', '.join(TASKS)}, got {task!r}")
         base: dict[str, Any] = {"task": task}
         if task == "video":
-            base.update(num_train=8000, num_val=420, batch_size=16, eval_batch_size=16,
-                        image_steps=1500, num_train_images=8000, dense_steps=1200, mod_steps=1500)
+            base.update(num_train=8000, num_val=420, batch_size=16, eval_batch_size=16, captions=True,
+                        image_steps=2000, num_train_images=8000, dense_steps=2000, mod_steps=1500)
         if quick:
             base.update(
                 num_train=32 if task == "image" else 28, num_val=8 if task == "image" else 14, width=64, layers=4,
@@ -148,7 +149,7 @@ class RecipeResult:
 
 
 _DENSE_SETTINGS = (
-    "task", "num_train", "num_val", "image_size", "frames", "distractors", "width", "layers", "heads", "kv_heads",
+    "task", "num_train", "num_val", "image_size", "frames", "distractors", "captions", "width", "layers", "heads", "kv_heads",
     "vision_width", "vision_layers", "patch_size", "dense_steps", "dense_lr", "weight_decay", "batch_size", "seed",
     "image_steps", "num_train_images", "image_batch_size", "image_model",
 )
@@ -237,11 +238,11 @@ def run_recipe(out: str | Path, settings: RecipeSettings | None = None, progress
     def make_data() -> None:
         if video:  # the images feed the image stage only
             generate(data, 0 if s.image_model else s.num_train_images, 0, image_size=s.image_size, distractors=s.distractors, seed=s.seed,
-                     video=True, num_videos=s.num_train, num_val_videos=s.num_val, num_frames=s.frames,
+                     captions=s.captions, video=True, num_videos=s.num_train, num_val_videos=s.num_val, num_frames=s.frames,
                      progress=progress)
         else:
             generate(data, s.num_train, s.num_val, image_size=s.image_size, distractors=s.distractors, seed=s.seed,
-                     progress=progress)
+                     captions=s.captions, progress=progress)
 
     def build(family: str) -> tuple[Any, Any]:
         return tiny.build(
@@ -460,6 +461,9 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     parser.add_argument("--image-model", default=None, metavar="DIR",
                         help="video task: start from this image LLaVA of the same sizes (e.g. the image recipe's "
                              "runs/synthetic-image/dense/model) instead of training the image stage (default: train it)")
+    parser.add_argument("--captions", action=argparse.BooleanOptionalAction, default=None,
+                        help="a caption record (every object in words) beside each training sample "
+                             "(default: image off, video on)")
     parser.add_argument("--no-distill", action="store_true",
                         help="MoD fine-tuning without distillation from the dense model (default: distill)")
     parser.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's)")
@@ -487,6 +491,8 @@ def run_recipe_command(args: argparse.Namespace) -> int:
         overrides["routers"] = tuple(args.routers)
     if args.threads is not None:
         overrides["threads"] = args.threads
+    if args.captions is not None:
+        overrides["captions"] = args.captions
     if args.no_distill:
         overrides["distill"] = False
     if args.image_model is not None:

@@ -70,6 +70,7 @@ from vlmod.data.scenes import (
     POSITIONS,
     QUESTIONS,
     SHAPES,
+    THIRDS,
     _pairs_except,
     _place,
     background,
@@ -259,6 +260,42 @@ def _split_records(
     return records
 
 
+def _third(first: int, last: int, num_frames: int) -> str:
+    """start / middle / end: the third of the clip that holds the middle of frames [first, last]."""
+    return THIRDS[min(2, int(3 * (first + last + 1) / 2 / num_frames))]
+
+
+def caption(meta: dict[str, Any], num_frames: int | None = None) -> str:
+    """Every object of a sample in words: a picture's in reading order ("red circle top left ,
+    blue star center"), a clip's in order of appearance, with how it moves or when it is shown
+    ("red circle start , blue cross moving left")."""
+    objects = meta["objects"]
+    if num_frames is None:
+        return " , ".join(f"{o['color']} {o['shape']} {POSITIONS[o['cell']]}" for o in sorted(objects, key=lambda o: o["cell"]))
+    words = []
+    for o in sorted(objects, key=lambda o: (o["frames"][0], o.get("cell", -1))):
+        (x0, y0), (x1, y1), (a, b) = o["start"], o["end"], o["frames"]
+        if (x0, y0) != (x1, y1):
+            how = "moving " + (("right" if x1 > x0 else "left") if abs(x1 - x0) > abs(y1 - y0) else ("down" if y1 > y0 else "up"))
+        else:
+            how = "" if (a, b) == (0, num_frames - 1) else _third(a, b, num_frames)
+        words.append(f"{o['color']} {o['shape']} {how}".strip())
+    return " , ".join(words)
+
+
+def _caption_records(records: list[dict[str, Any]], num_frames: int | None) -> list[dict[str, Any]]:
+    """One caption record per record, on the same picture or clip (training only: every object
+    named in every sample is the dense supervision a tiny model learns to see from)."""
+    kind = "image" if num_frames is None else "video"
+    return [{
+        "id": f"caption-{r['id']}",
+        kind: r[kind],
+        "conversations": [{"from": "human", "value": f"<{kind}>\ndescribe the {kind} ."},
+                          {"from": "gpt", "value": caption(r["meta"], num_frames)}],
+        "meta": {"type": "caption", "objects": r["meta"]["objects"]},
+    } for r in records]
+
+
 def _answer_counts(records: list[dict[str, Any]], qtypes: Sequence[str]) -> dict[str, dict[str, int]]:
     counts: dict[str, Counter] = {t: Counter() for t in qtypes}
     for r in records:
@@ -287,6 +324,7 @@ def generate(
     question_types: Sequence[str] = IMAGE_QUESTION_TYPES,
     video_question_types: Sequence[str] = VIDEO_QUESTION_TYPES,
     distractors: int = 2,
+    captions: bool = False,
     progress: bool = False,
 ) -> SyntheticSummary:
     """Write the synthetic set to `out_dir` (see the module doc) and say what was written.
@@ -294,8 +332,9 @@ def generate(
     `num_videos` train videos and `num_val_videos` (default: a tenth, at least 1) validation
     videos are written only with `video=True`, to their own JSON files, so the image files stay
     usable by image-only LLaVA models. `distractors` (0..4) caps the extra shapes of colour,
-    shape and position scenes: 0 makes single-shape scenes, an easier set. Same arguments, same
-    bytes."""
+    shape and position scenes: 0 makes single-shape scenes, an easier set. `captions`: each
+    training split also gets a caption record per sample (`caption`; validation stays
+    questions). Same arguments, same bytes."""
     for name, value in (("num_train", num_train), ("num_val", num_val)):
         if value < 0:
             raise ValueError(f"{name} must be >= 0, got {value}")
@@ -330,10 +369,12 @@ def generate(
             records = _split_records(out, kind, split, n, types, size, seed, num_frames, distractors, bar)
             name = split if kind == "image" else f"video_{split}"
             path = out / f"{name}.json"
+            summary.answer_counts[name] = _answer_counts(records, types)
+            if captions and split == "train":
+                records += _caption_records(records, None if kind == "image" else num_frames)
             _write_records(path, records)
             summary.files[name] = path
             summary.records[name] = len(records)
-            summary.answer_counts[name] = _answer_counts(records, types)
             splits[name] = {"file": path.name, "records": len(records), "answer_counts": summary.answer_counts[name]}
     meta = {
         "generator": "vlmod.data.synthetic",
@@ -341,6 +382,7 @@ def generate(
         "image_size": image_size,
         "grid": GRID,
         "distractors": distractors,
+        "captions": captions,
         "num_frames": num_frames if video else None,
         "video_fps": VIDEO_FPS if video else None,
         "question_types": list(qtypes),
@@ -397,6 +439,9 @@ def add_make_data_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
         "else a tenth of --videos)",
     )
     parser.add_argument("--frames", type=int, default=video.frames, help=f"frames per video (default: {video.frames})")
+    parser.add_argument("--captions", action="store_true",
+                        help="also a caption record per training sample, every object in words (the video recipe's "
+                             "training sets have them; default: off)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(run=run_make_data)
     return parser
@@ -424,6 +469,7 @@ def run_make_data(args: argparse.Namespace) -> int:
             num_val_videos=args.val_videos,
             num_frames=args.frames,
             distractors=args.distractors,
+            captions=args.captions,
             question_types=[t.strip() for t in args.types.split(",") if t.strip()],
             progress=not args.no_progress,
         )
@@ -436,6 +482,6 @@ def run_make_data(args: argparse.Namespace) -> int:
 
 __all__ = [
     "ANSWERS", "COLORS", "IMAGE_QUESTION_TYPES", "QUESTIONS", "SHAPES", "TEMPORAL_TYPES", "VIDEO_FPS",
-    "VIDEO_QUESTION_TYPES", "SyntheticSummary", "add_make_data_arguments", "background", "cell_of", "generate",
+    "VIDEO_QUESTION_TYPES", "SyntheticSummary", "add_make_data_arguments", "background", "caption", "cell_of", "generate",
     "image_sample", "paint", "run_make_data", "shape_alpha", "shape_points", "video_sample",
 ]
