@@ -15,6 +15,7 @@ from transformers import DynamicCache
 import vlmod
 from vlmod import tiny
 from vlmod.cache import PreallocatedCache, PreallocatedLayer
+from vlmod.plugins.calls import CACHE, output_cache
 
 NEW_TOKENS = 5
 GENERATE = dict(
@@ -59,13 +60,13 @@ def test_generate_matches_dynamic_cache(family, capacity: float | None):
     cache = vlmod.preallocated_cache(model, NEW_TOKENS)
     with torch.inference_mode():
         a = model.generate(**inputs, **GENERATE)
-        b = model.generate(**inputs, **GENERATE, past_key_values=cache)
+        b = model.generate(**inputs, **GENERATE, **{CACHE: cache})
     assert torch.equal(a.sequences, b.sequences)
     for x, y in zip(a.logits, b.logits, strict=True):
         assert torch.allclose(x, y, atol=1e-6, rtol=1e-6), (x - y).abs().max()
     # Each layer holds what DynamicCache holds (MoD layers fewer tokens), in a buffer sized once.
     prompt = inputs["input_ids"].shape[1]
-    for ours, theirs in zip(b.past_key_values.layers, a.past_key_values.layers, strict=True):
+    for ours, theirs in zip(output_cache(b).layers, output_cache(a).layers, strict=True):
         assert isinstance(ours, PreallocatedLayer)
         assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
         filled = ours.get_seq_length()
@@ -82,11 +83,11 @@ def test_decode_step_writes_in_place_without_host_sync(family, capacity: float |
     counts = {}
     for name, cache in (("dynamic", DynamicCache(config=model.config)), ("prealloc", vlmod.preallocated_cache(model, 4))):
         with torch.inference_mode():
-            out = model(**inputs, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            out = model(**inputs, **{CACHE: cache}, use_cache=True, logits_to_keep=1)
             token = out.logits[:, -1].argmax(-1, keepdim=True)
             mask = torch.cat([inputs["attention_mask"], torch.ones_like(token)], dim=1)
             with count_syncs() as syncs, CountOps() as ops:
-                model(input_ids=token, attention_mask=mask, past_key_values=cache, use_cache=True)
+                model(input_ids=token, attention_mask=mask, **{CACHE: cache}, use_cache=True)
         counts[name] = syncs, ops.ops
     (dyn_syncs, dyn_ops), (pre_syncs, pre_ops) = counts["dynamic"], counts["prealloc"]
     assert pre_syncs == dyn_syncs, (pre_syncs, dyn_syncs)
@@ -103,7 +104,7 @@ def test_grows_past_max_new_tokens_crops_and_resets(family):
     with torch.inference_mode():
         a = mod.generate(**inputs, **GENERATE)
         cache = vlmod.preallocated_cache(mod, 1)  # too small: grows once per layer, stays exact
-        b = mod.generate(**inputs, **GENERATE, past_key_values=cache)
+        b = mod.generate(**inputs, **GENERATE, **{CACHE: cache})
     assert torch.equal(a.sequences, b.sequences)
     layer = cache.layers[1]
     n = layer.get_seq_length()

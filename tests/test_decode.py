@@ -14,6 +14,7 @@ from probes import ROUTING_OPS, CountOps, count_syncs
 
 import vlmod
 from vlmod import tiny
+from vlmod.plugins.calls import CACHE, output_cache
 
 
 def _inputs(processor, family: str, mixed: bool) -> dict:
@@ -42,7 +43,7 @@ def _decode_step(model, inputs: dict) -> tuple[dict, torch.Tensor]:
         out = model(**inputs, use_cache=True, logits_to_keep=1)
     token = out.logits[:, -1].argmax(-1, keepdim=True)
     mask = torch.cat([inputs["attention_mask"], torch.ones_like(token)], dim=1)
-    return dict(input_ids=token, attention_mask=mask, past_key_values=out.past_key_values, use_cache=True), out.logits
+    return dict(input_ids=token, attention_mask=mask, **{CACHE: output_cache(out)}, use_cache=True), out.logits
 
 
 def _step_counts(model, inputs: dict) -> tuple[Counter, Counter, torch.Tensor]:

@@ -18,6 +18,7 @@ from PIL import Image
 import vlmod
 from vlmod import TokenType, tiny
 from vlmod.cli import main
+from vlmod.plugins.calls import output_cache
 
 FAMILIES = ["qwen2_5_vl", "qwen3_vl", "internvl", "gemma3"]
 # Patches of 4 px: a 32 x 32 image is 16 merged Qwen tokens.
@@ -109,7 +110,7 @@ def test_capacity_half_counts_and_cache(fam):
     types = trace.token_types
     image = _image_mask(fam.model, fam.inputs)
     assert torch.equal(types == TokenType.IMAGE, image)
-    cache = out.past_key_values
+    cache = output_cache(out)
     for (_, layer), processed in trace.processed.items():
         assert torch.equal(processed.sum(1), expected), layer
         assert processed[types == TokenType.INSTRUCTION].all()  # vision start/end, <img>, boi/eoi included

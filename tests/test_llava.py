@@ -12,6 +12,7 @@ from PIL import Image
 
 import vlmod
 from vlmod import TokenType, tiny
+from vlmod.plugins.calls import output_cache
 
 FAMILIES = ["llava", "llava_mistral", "llava_next", "llava_next_video", "llava_onevision"]
 
@@ -81,9 +82,9 @@ def test_capacity_half_counts_and_cache(family_model):
         instruction = types == TokenType.INSTRUCTION
         assert processed[instruction].all()
         assert not processed[types == TokenType.PADDING].any()
-        cache_len = out.past_key_values.get_seq_length(layer)
+        cache_len = output_cache(out).get_seq_length(layer)
         assert cache_len == int(expected.max())
-    assert out.past_key_values.get_seq_length(0) == inputs["input_ids"].shape[1]
+    assert output_cache(out).get_seq_length(0) == inputs["input_ids"].shape[1]
     assert not torch.allclose(out.logits, dense_logits)
 
 
@@ -108,7 +109,7 @@ def test_generate_cache_matches_full_forward(family_model):
         assert torch.equal(processed.sum(1), expected + new - 1), key
         # The layer's KV cache: one slot per processed token of the longest row; the other rows'
         # extra slots are filler that no query attends to.
-        assert gen.past_key_values.get_seq_length(key[1]) == int(expected.max()) + new - 1
+        assert output_cache(gen).get_seq_length(key[1]) == int(expected.max()) + new - 1
         _, valid = mod.model.language_model.__dict__["_vlmod_part"].adapter.cache_slots[key[1]]
         if valid is not None:
             assert torch.equal(valid.sum(1), expected + new - 1)

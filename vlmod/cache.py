@@ -14,9 +14,10 @@ It is a `DynamicCache` (same masks, same cropping, `get_seq_length` per layer), 
 key-position bookkeeping, which counts what each layer's cache holds, works as with the default.
 
     cache = vlmod.preallocated_cache(model, max_new_tokens=32)
-    model.generate(**inputs, max_new_tokens=32, past_key_values=cache)
+    model.generate(**inputs, max_new_tokens=32, cache=cache)
 
-One cache per generate call, as with any cache object.
+(`past_key_values=cache` before transformers 5.24.) One cache per generate call, as with any
+cache object.
 """
 
 from __future__ import annotations
@@ -143,8 +144,8 @@ class PreallocatedCache(DynamicCache):
 
 
 def preallocated_cache(model: nn.Module, max_new_tokens: int) -> PreallocatedCache:
-    """A fresh `PreallocatedCache` for one `model.generate(..., max_new_tokens=N,
-    past_key_values=cache)` call (or a manual decode loop) of a dense or MoD model."""
+    """A fresh `PreallocatedCache` for one `model.generate(..., max_new_tokens=N, cache=cache)`
+    call (or a manual decode loop) of a dense or MoD model."""
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     return PreallocatedCache(model.config, max_new_tokens)

@@ -33,6 +33,7 @@ from vlmod.bench.timing import (
 )
 from vlmod.errors import InputError
 from vlmod.flops import generation_flops
+from vlmod.plugins.calls import cache_name, output_cache
 
 # LLaVA-1.5-7B's token shapes (576 image tokens from a 336 px CLIP tower with 14 px patches, a
 # ~60-token prompt, 32 decoder layers, Llama's MLP ratio 11008/4096) at a width that runs on a
@@ -65,7 +66,9 @@ def check_cache(cache: str) -> None:
 def cache_kwargs(model: nn.Module, cache: str, new_tokens: int) -> dict[str, Any]:
     """What one forward or generate call of `model` takes to run with a fresh cache of kind `cache`."""
     check_cache(cache)
-    return {"past_key_values": vlmod.preallocated_cache(model, new_tokens)} if cache == "preallocated" else {}
+    if cache != "preallocated":
+        return {}
+    return {cache_name(type(model).forward): vlmod.preallocated_cache(model, new_tokens)}
 
 
 def build_preset(preset: str | None, presets: Mapping[str, Mapping[str, Any]]) -> tuple[nn.Module, Any, int]:
@@ -144,8 +147,8 @@ def generation_footprint(
     each model: what the timings are held against."""
     with torch.inference_mode():
         with vlmod.trace_routing(mod) as trace:
-            mod_cache = mod(**inputs, use_cache=True, logits_to_keep=1).past_key_values
-        dense_cache = dense(**inputs, use_cache=True, logits_to_keep=1).past_key_values
+            mod_cache = output_cache(mod(**inputs, use_cache=True, logits_to_keep=1))
+        dense_cache = output_cache(dense(**inputs, use_cache=True, logits_to_keep=1))
     flops = {"dense": generation_flops(dense, inputs, None), "mod": generation_flops(mod, inputs, trace)}
     return flops, {"dense": kv_cache_bytes(dense_cache), "mod": kv_cache_bytes(mod_cache)}
 
@@ -219,16 +222,17 @@ def lockstep_decode(
     names = list(models)
     state: dict[str, list[Any]] = {}
     times: dict[str, list[float]] = {name: [] for name in names}
+    cache_arg = {name: cache_name(type(model).forward) for name, model in models.items()}
     with torch.inference_mode():
         for name, model in models.items():
             out = model(**inputs, **cache_kwargs(model, cache, steps + warmup + 1), use_cache=True, logits_to_keep=1)
-            state[name] = [out.past_key_values, out.logits[:, -1:].argmax(-1), inputs["attention_mask"]]
+            state[name] = [output_cache(out), out.logits[:, -1:].argmax(-1), inputs["attention_mask"]]
         for i in range(warmup + steps):
             for name in names if i % 2 == 0 else names[::-1]:
                 past, token, mask = state[name]
                 mask = torch.cat([mask, torch.ones_like(token)], dim=1)
                 start = time.perf_counter()
-                out = models[name](input_ids=token, attention_mask=mask, past_key_values=past, use_cache=True)
+                out = models[name](input_ids=token, attention_mask=mask, **{cache_arg[name]: past}, use_cache=True)
                 token = out.logits[:, -1:].argmax(-1)
                 if token.is_cuda:
                     torch.cuda.synchronize(token.device)

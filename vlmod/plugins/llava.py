@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from vlmod.config import MoDConfig, TokenType
 from vlmod.plugins import PartSpec, hf_vision
-from vlmod.plugins.calls import ArgSlot
+from vlmod.plugins.calls import ArgSlot, cache_name, cache_of
 from vlmod.routing.attention import AttentionQK
 from vlmod.routing.layer import MoDPart
 from vlmod.routing.selection import Selection, TokenLayout
@@ -165,7 +165,7 @@ class DecoderAdapter:
         self.mask_arg = ArgSlot(fwd, "attention_mask")
         self.position_ids_arg = ArgSlot(fwd, "position_ids")
         self.rope_arg = ArgSlot(fwd, "position_embeddings")
-        self.cache_arg = ArgSlot(fwd, "past_key_values")
+        self.cache_arg = ArgSlot(fwd, cache_name(fwd))
         self.entry_params = [
             p for p in inspect.signature(type(model).forward).parameters if p != "self"
         ]
@@ -218,7 +218,7 @@ class DecoderAdapter:
     def begin_forward(self, part: MoDPart, args: tuple, kwargs: dict) -> None:
         if args:
             kwargs = {**dict(zip(self.entry_params, args, strict=False)), **kwargs}
-        cache = kwargs.get("past_key_values")
+        cache = cache_of(kwargs)
         past_length = int(cache.get_seq_length(0)) if cache is not None else 0
         types = self.token_types(kwargs, past_length)
         routable = part.config.routable_types
