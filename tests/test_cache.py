@@ -3,6 +3,7 @@ concatenation and no host sync in a decode step."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import numpy as np
@@ -123,3 +124,25 @@ def test_api_and_refusals():
     assert cache.get_seq_length() == 0 and cache.allocated_bytes() == 0
     with pytest.raises(ValueError, match="max_new_tokens"):
         vlmod.preallocated_cache(model, -1)
+
+
+@pytest.mark.skipif(CACHE == "past_key_values", reason="this transformers names the cache past_key_values only")
+def test_a_mod_model_decodes_the_same_under_the_old_cache_name(family):
+    """transformers 5.24 renamed `past_key_values` to `cache` and still takes the old name (with a
+    warning): a MoD model's prefill and the forward after it route the same under either."""
+    model, inputs = family
+    mod = vlmod.apply_mod(copy.deepcopy(model), vlmod.MoDConfig(capacity=0.5))
+    logits = {}
+    for name in ("cache", "past_key_values"):
+        cache = vlmod.preallocated_cache(mod, 2)
+        with torch.inference_mode(), pytest.warns(FutureWarning) if name != CACHE else contextlib.nullcontext():
+            out = mod(**inputs, **{name: cache}, use_cache=True, logits_to_keep=1)
+            # Three tokens after the prompt: their mask over the cached keys needs the cached length.
+            tokens = out.logits[:, -1].argmax(-1, keepdim=True).expand(-1, 3)
+            mask = torch.cat([inputs["attention_mask"], torch.ones_like(tokens)], dim=1)
+            step = mod(input_ids=tokens, attention_mask=mask, **{name: cache}, use_cache=True)
+        # Every MoD layer's cache holds only what it routed, however the cache was passed.
+        logits[name] = (out.logits, step.logits, [layer.get_seq_length() for layer in cache.layers])
+    (a_pre, a_step, a_len), (b_pre, b_step, b_len) = logits.values()
+    assert a_len == b_len and min(a_len) < max(a_len)
+    assert torch.equal(a_pre, b_pre) and torch.equal(a_step, b_step)
