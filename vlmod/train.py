@@ -211,6 +211,7 @@ def _takes_loss_kwargs(model: nn.Module) -> bool:
     return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
+@torch.no_grad()
 def validation_loss(model: nn.Module, loader: Any, accelerator: Any) -> float:
     """Mean answer loss over `loader` (all processes): per-sample mean NLL of the answer tokens,
     as `vlmod eval` reports it (no router aux term)."""
@@ -345,7 +346,11 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
     train_set = load_dataset(cfg.data, processor, cfg)
     val_set = load_dataset(cfg.val_data, processor, cfg) if cfg.val_data else None
     if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # transformers 5.24 renamed it activation_checkpointing_enable (the old name deprecated).
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     if cfg.trainable == "lora":
         model = add_lora(model, cfg)
