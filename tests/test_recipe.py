@@ -29,11 +29,13 @@ def test_recipe_writes_every_method_at_every_compute_point(task: str, image_run:
         out, result = image_run
     else:
         out = tmp_path
-        result = run_recipe(out, RecipeSettings.for_task("video", quick=True), progress=False, log=lambda _: None)
+        # The video run also trains the control: the dense model fine-tuned again as the MoD stage.
+        result = run_recipe(out, RecipeSettings.for_task("video", quick=True, dense_control=True), progress=False,
+                            log=lambda _: None)
     s = result.settings
     saved = json.loads((out / "results.json").read_text())
     rows = saved["results"]
-    assert [r["method"] for r in rows if r["target"] is None] == ["dense"]
+    assert [r["method"] for r in rows if r["target"] is None] == ["dense"] + ["dense-control"] * s.dense_control
     for target in s.targets:
         assert {r["method"] for r in rows if r["target"] == target} >= METHODS[task]
     assert [r["method"] for r in rows if r["method"] == "learned+vision"] == ["learned+vision"]
@@ -54,6 +56,11 @@ def test_recipe_writes_every_method_at_every_compute_point(task: str, image_run:
         frames = [r for r in rows if r["method"] == "frames"]
         assert all(r["gflops"]["vision"] < dense["gflops"]["vision"] for r in frames)
         assert "direction*" in (out / "results.md").read_text()
+        control, mod = (json.loads((out / run / "train_log.json").read_text())["config"] for run in ("dense-control", "mod"))
+        assert {k: control[k] for k in ("lr", "max_steps", "trainable", "distill_from")} == {
+            k: mod[k] for k in ("lr", "max_steps", "trainable", "distill_from")}
+        assert vlmod.mod_layers(vlmod.load_pretrained(out / "dense-control" / "model")) == {}
+        assert "control, the dense model fine-tuned again" in (out / "results.md").read_text()
     table = (out / "results.md").read_text()
     assert "| dense |" in table and "goal (3x fewer" in table and "whole recipe" in table
     assert (out / "frontier.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

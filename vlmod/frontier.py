@@ -33,6 +33,7 @@ METHOD_LABELS = {
     "reduce": "pre-LLM reduction (VisionZip-like, training-free)",
     "frames": "frame subsampling (dense)",
     "learned+vision": "MoD learned + vision tower MoD (attention router)",
+    "dense-control": "dense, fine-tuned again as the MoD stage (control)",
 }
 
 
@@ -159,11 +160,11 @@ def paired_gap(a: Mapping[str, Any], b: Mapping[str, Any]) -> tuple[float, float
     return 100 * mean, 100 * (mean - half), 100 * (mean + half)
 
 
-def _gap_text(mod: Mapping[str, Any], dense: Mapping[str, Any]) -> str:
+def _gap_text(mod: Mapping[str, Any], dense: Mapping[str, Any], name: str = "dense") -> str:
     gap = paired_gap(mod, dense)
     if gap is None:
-        return f"{100 * (mod['accuracy'] - dense['accuracy']):+.1f} points vs dense"
-    return f"{gap[0]:+.1f} points vs dense, 95% interval {gap[1]:+.1f} to {gap[2]:+.1f}"
+        return f"{100 * (mod['accuracy'] - dense['accuracy']):+.1f} points vs {name}"
+    return f"{gap[0]:+.1f} points vs {name}, 95% interval {gap[1]:+.1f} to {gap[2]:+.1f}"
 
 
 def format_frontier(rows: Sequence[Mapping[str, Any]], temporal: Sequence[str] = ()) -> str:
@@ -221,6 +222,16 @@ def verdicts(rows: Sequence[Mapping[str, Any]], goal: float = 3.0, within: float
         f"goal ({goal:g}x fewer LM prefill FLOPs within {100 * within:g} point of dense "
         f"{100 * dense['accuracy']:.1f}%): {verdict}"
     )
+    control = next((r for r in rows if r["method"] == "dense-control"), None)
+    if control is not None:
+        # The MoD model trained longer than dense did: the control says what that alone gave.
+        line = (f"control, the dense model fine-tuned again as the MoD stage (unconverted): "
+                f"{100 * control['accuracy']:.1f}% ({_gap_text(control, dense)})")
+        if reached:
+            at = min(reached, key=lambda r: r["language_reduction"])
+            line += (f"; MoD at {at['language_reduction']:.2f}x against it: {100 * at['accuracy']:.1f}% "
+                     f"({_gap_text(at, control, 'the control')})")
+        lines.append(line)
     return lines
 
 
@@ -238,7 +249,7 @@ def plot_frontier(rows: Sequence[Mapping[str, Any]], path: str | Path, title: st
     markers = dict(zip(METHOD_LABELS, "*os^vDPX", strict=False))
     for method in METHOD_LABELS:
         points = sorted((r for r in rows if r["method"] == method), key=lambda r: r["gflops"]["language"])
-        if not points or method == "dense":
+        if not points or method in ("dense", "dense-control"):
             continue
         xs = [r["gflops"]["language"] for r in points] + [dense["gflops"]["language"]]
         ys = [100 * r["accuracy"] for r in points] + [100 * dense["accuracy"]]
@@ -246,6 +257,9 @@ def plot_frontier(rows: Sequence[Mapping[str, Any]], path: str | Path, title: st
             xs, ys = xs[:-1], ys[:-1]
         ax.plot(xs, ys, marker=markers[method], label=METHOD_LABELS[method], linewidth=2.2 if method == "learned" else 1.2)
     ax.plot([dense["gflops"]["language"]], [100 * dense["accuracy"]], "k*", markersize=14, label="dense")
+    for control in (r for r in rows if r["method"] == "dense-control"):
+        ax.plot([control["gflops"]["language"]], [100 * control["accuracy"]], "*", color="gray", markersize=12,
+                label=METHOD_LABELS["dense-control"])
     ax.axhline(100 * dense["accuracy"] - 1, color="gray", linestyle=":", linewidth=1, label="dense - 1 point")
     ax.set_xlabel("language-model prefill GFLOPs per sample")
     ax.set_ylabel("accuracy (%)")

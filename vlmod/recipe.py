@@ -16,7 +16,9 @@ distilling the dense model's answer distribution (`vlmod.distill`);
 7. evaluate dense, the fine-tuned MoD model at every point, and at the same points: the random
 and stride routers on its weights, the training-free attention router on the dense weights,
 pre-LLM reduction and frame subsampling of the dense model, and at the main point the MoD model
-with the vision tower routed too; 8. write results.json, results.md and frontier.png.
+with the vision tower routed too (`dense_control`: also the dense model fine-tuned again exactly
+as the MoD stage, unconverted: what the MoD model's extra training alone gives); 8. write
+results.json, results.md and frontier.png.
 
 Every stage is a public vlmod function (`vlmod tiny`, `finetune`, `rank`, `convert`, `eval`,
 `vlmod.reduction`), so the recipe is also a worked example of the workflow.
@@ -80,6 +82,7 @@ class RecipeSettings:
     routers: tuple[str, ...] = ("random", "stride", "attention")
     vision_capacity: float = 0.5
     distill: bool = True
+    dense_control: bool = False
     eval_batch_size: int = 32
     seed: int = 0
     threads: int | None = None
@@ -93,7 +96,7 @@ class RecipeSettings:
         base: dict[str, Any] = {"task": task}
         if task == "video":
             base.update(num_train=8000, num_val=420, batch_size=16, eval_batch_size=16, captions=True,
-                        image_steps=2000, num_train_images=8000, dense_steps=2000, mod_steps=1500)
+                        image_steps=2000, num_train_images=8000, dense_steps=2000, mod_steps=1500, mod_lr=1e-3)
         if quick:
             base.update(
                 num_train=32 if task == "image" else 28, num_val=8 if task == "image" else 14, width=64, layers=4,
@@ -345,6 +348,13 @@ def run_recipe(out: str | Path, settings: RecipeSettings | None = None, progress
         converted, "mod", trainable="language", lr=s.mod_lr, router_lr=s.router_lr, max_steps=s.mod_steps,
         capacities=[p["capacity"] for p in result.points], distill_from=str(dense) if s.distill else None,
     ))
+    if s.dense_control:
+        control = stages.run("train dense control", lambda: finetune(
+            dense, "dense-control", trainable="language", lr=s.mod_lr, max_steps=s.mod_steps,
+            distill_from=str(dense) if s.distill else None,
+        ))
+        report = stages.run("eval dense control", lambda: evaluated(load_pretrained(control).eval(), "dense control"))
+        result.rows.append(frontier.row("dense-control", None, f"+{s.mod_steps} steps as the MoD stage", report))
     mod_model = load_pretrained(mod).eval()
     attention_model = load_pretrained(converted).eval()
     set_router(attention_model, "attention")
@@ -466,6 +476,10 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                              "(default: image off, video on)")
     parser.add_argument("--no-distill", action="store_true",
                         help="MoD fine-tuning without distillation from the dense model (default: distill)")
+    parser.add_argument("--dense-control", action="store_true",
+                        help="also fine-tune the dense model exactly as the MoD stage (steps, lr, distillation), "
+                             "unconverted: what the extra training alone gives (default: off; costs about the "
+                             "MoD stage's time again)")
     parser.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--reuse-dense", action="store_true",
                         help="keep the dense model of an earlier run in --out (same settings); rerun the MoD stages")
@@ -495,6 +509,8 @@ def run_recipe_command(args: argparse.Namespace) -> int:
         overrides["captions"] = args.captions
     if args.no_distill:
         overrides["distill"] = False
+    if args.dense_control:
+        overrides["dense_control"] = True
     if args.image_model is not None:
         if args.task != "video":
             raise InputError("--image-model is for --task video (the image stage of the video recipe)")
