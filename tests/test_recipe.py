@@ -61,6 +61,7 @@ def test_recipe_writes_every_method_at_every_compute_point(task: str, image_run:
             k: mod[k] for k in ("lr", "max_steps", "trainable", "distill_from")}
         assert vlmod.mod_layers(vlmod.load_pretrained(out / "dense-control" / "model")) == {}
         assert "control, the dense model fine-tuned again" in (out / "results.md").read_text()
+        assert "min without the control" in (out / "results.md").read_text()
     table = (out / "results.md").read_text()
     assert "| dense |" in table and "goal (3x fewer" in table and "whole recipe" in table
     assert (out / "frontier.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -426,7 +426,9 @@ def format_results(result: RecipeResult) -> str:
     lines.append(f"- dense accuracy {100 * dense['accuracy']:.1f}% (aim >= 90%), by type "
                  + ", ".join(f"{t} {100 * a:.1f}%" for t, a in sorted(dense["accuracy_by_type"].items())))
     total = sum(result.stages.values())
-    lines.append(f"- whole recipe: {total / 60:.1f} min ("
+    control = sum(v for k, v in result.stages.items() if "control" in k)
+    lines.append(f"- whole recipe: {total / 60:.1f} min"
+                 + (f" ({(total - control) / 60:.1f} min without the control)" if control else "") + " ("
                  + ", ".join(f"{k} {v:.0f} s" for k, v in result.stages.items()) + ")")
     return "\n".join(lines)
 
