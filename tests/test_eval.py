@@ -107,6 +107,31 @@ def test_cli_compare_writes_json(workdir: Path, tmp_path: Path, capsys: pytest.C
     assert [r["name"] for r in reports] == ["mod", "dense"] and reports[0]["num_samples"] == 4
 
 
+def test_cli_capacity_moves_the_compute_point_and_compare_gives_the_paired_gap(
+    workdir: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    out = tmp_path / "report.json"
+    args = ["--data", str(workdir / "data" / "val.json"), "--limit", "4", "--max-new-tokens", "2", "--no-progress"]
+    assert cli_main(["eval", "--model", str(workdir / "mod"), "--capacity", "1.0", "--compare", str(workdir / "dense"),
+                     "--name", "mod", "--compare-name", "dense", "--json", str(out), *args]) == 0
+    printed = capsys.readouterr().out
+    # A fresh conversion at capacity 1.0 computes what the dense model computes: no gap, no spread.
+    assert "mod minus dense: +0.0 points, 95% interval +0.0 to +0.0 (paired, 4 questions)" in printed
+    mod, dense = json.loads(out.read_text())["reports"]
+    assert all(v == 1.0 for v in mod["processed_fraction"].values())
+    assert [s["prediction"] for s in mod["samples"]] == [s["prediction"] for s in dense["samples"]]
+    assert cli_main(["eval", "--model", str(workdir / "mod"), "--capacity", "0.25", *args]) == 0
+    assert "25.0%" in capsys.readouterr().out  # routable tokens processed: 4 of 16 image tokens
+
+
+def test_cli_capacity_on_a_dense_checkpoint_is_one_error_line(workdir: Path, capsys: pytest.CaptureFixture) -> None:
+    code = cli_main(["eval", "--model", str(workdir / "dense"), "--capacity", "0.5", "--data",
+                     str(workdir / "data" / "val.json"), "--limit", "2", "--no-progress"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --capacity:") and "no MoD layers" in err and err.count("\n") == 1
+
+
 def test_corrupt_image_is_skipped_and_counted(workdir: Path, tmp_path: Path) -> None:
     records = json.loads((workdir / "data" / "val.json").read_text())[:3]
     for r in records:

@@ -322,6 +322,20 @@ def format_comparison(reports: Sequence[EvalReport]) -> str:
     return format_table(["", *(r.name for r in reports)], rows)
 
 
+def paired_gap_line(a: EvalReport, b: EvalReport) -> str:
+    """`a`'s accuracy minus `b`'s with the 95% interval of the paired difference (the two models
+    answered the same questions), the figure to read before calling two models equal."""
+    from vlmod.frontier import paired_gap
+
+    marks = [{"correct": "".join("1" if x.correct else "0" for x in r.samples)} for r in (a, b)]
+    same = [x.id for x in a.samples] == [x.id for x in b.samples]
+    gap = paired_gap(*marks) if same else None
+    if gap is None:
+        return f"{a.name} minus {b.name}: {100 * (a.accuracy - b.accuracy):+.1f} points (not the same questions: no interval)"
+    return (f"{a.name} minus {b.name}: {gap[0]:+.1f} points, 95% interval {gap[1]:+.1f} to {gap[2]:+.1f} "
+            f"(paired, {len(a.samples)} questions)")
+
+
 def _pct(value: float | None) -> str:
     return "-" if value is None or math.isnan(value) else f"{100 * value:.1f}%"
 
@@ -329,12 +343,15 @@ def _pct(value: float | None) -> str:
 # ----------------------------------------------------------------------------- command line
 
 
-def check_checkpoint(path: str) -> None:
-    """`EvalError` unless `path` is a LLaVA checkpoint; reads only its config, so every model of a
-    comparison is checked before the first one loads."""
-    from vlmod.hf import vlm_class
+def check_checkpoint(path: str, converted: bool = False) -> None:
+    """`EvalError` unless `path` is a LLaVA checkpoint (and, with `converted`, one with MoD
+    layers); reads only its config, so every model of a comparison is checked before the first
+    one loads."""
+    from vlmod.hf import load_config, vlm_class
 
     vlm_class(path, EvalError, "evaluation supports")
+    if converted and not getattr(load_config(path), "vlmod", None):
+        raise EvalError(f"--capacity: {path} has no MoD layers (a dense checkpoint); convert it first or drop --capacity")
 
 
 def load_model(path: str, device: str = "cpu", dtype: str = "float32") -> tuple[nn.Module, Any]:
@@ -347,9 +364,12 @@ def load_model(path: str, device: str = "cpu", dtype: str = "float32") -> tuple[
 
 def add_evaluate_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Flags of `scripts/evaluate.py` and `vlmod eval`."""
-    from vlmod.argtypes import device, option, positive_int
+    from vlmod.argtypes import device, fraction, option, positive_int
 
     parser.add_argument("--model", required=True, help="checkpoint directory or hub id (dense or converted)")
+    parser.add_argument("--capacity", type=fraction, default=None,
+                        help="run --model's MoD layers at this mean capacity: another compute point of the same "
+                             "converted weights (default: the capacity it was saved with)")
     parser.add_argument("--data", required=True, help="LLaVA-format JSON with the reference answers")
     parser.add_argument("--image-root", help="folder image/video paths are relative to (default: the JSON's folder)")
     parser.add_argument("--compare", help="a second model (e.g. the dense original) evaluated side by side")
@@ -380,13 +400,17 @@ def run_evaluate(args: argparse.Namespace) -> int:
         check_output_file(args.json, "--json", inputs=[args.model, args.compare, args.data], error=EvalError)
     for path in (args.model, args.compare):
         if path is not None:
-            check_checkpoint(path)
+            check_checkpoint(path, converted=args.capacity is not None and path == args.model)
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     reports = []
     for path, label in ((args.model, args.name), (args.compare, args.compare_name)):
         if path is None:
             continue
         model, processor = load_model(path, args.device, args.dtype)
+        if args.capacity is not None and path == args.model:
+            from vlmod.routing.api import set_capacity
+
+            set_capacity(model, args.capacity)
         reports.append(evaluate(
             model, processor, args.data, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
             limit=args.limit, progress=not args.no_progress, name=label or Path(path).name or path,
@@ -394,6 +418,8 @@ def run_evaluate(args: argparse.Namespace) -> int:
         ))
         del model
     print(format_comparison(reports))
+    if len(reports) == 2:
+        print(paired_gap_line(*reports))
     if args.json:
         write_json(args.json, {"data": str(args.data), "reports": [r.to_dict() for r in reports]})
         print(f"wrote {args.json}")
@@ -412,6 +438,7 @@ __all__ = [
     "greedy_generate",
     "is_correct",
     "load_model",
+    "paired_gap_line",
     "routable_counts",
     "run_evaluate",
 ]
