@@ -250,8 +250,9 @@ def test_compute_points_in_whole_slots_never_land_above_their_flops(schedule: st
 # ----------------------------------------------------------------------------- capacity-elastic fine-tuning
 
 
+@pytest.mark.parametrize("warmup", [0, 3])
 def test_finetune_draws_its_capacity_per_step_and_saves_the_converted_one(
-        model_and_processor: tuple, video_set: Path, tmp_path: Path) -> None:
+        model_and_processor: tuple, video_set: Path, tmp_path: Path, warmup: int) -> None:
     from vlmod.train import TrainConfig, TrainError, train
 
     model, processor = model_and_processor
@@ -271,7 +272,7 @@ def test_finetune_draws_its_capacity_per_step_and_saves_the_converted_one(
 
     cfg = TrainConfig(model=str(src), data=str(video_set / "video_train.json"), output_dir=str(tmp_path / "run"),
                       trainable="router", lr=1e-3, max_steps=6, batch_size=4, num_frames=FRAMES,
-                      capacities=[0.125, 0.25])
+                      capacities=[0.125, 0.25], capacity_warmup=warmup)
     import vlmod.routing.api as api
 
     api.set_capacity = spy
@@ -279,11 +280,33 @@ def test_finetune_draws_its_capacity_per_step_and_saves_the_converted_one(
         result = train(cfg, progress=False)
     finally:
         api.set_capacity = original
-    assert set(seen[:6]) == {0.125, 0.25} and seen[-1] == 0.5
+    assert set(seen[warmup:6]) == {0.125, 0.25} and seen[-1] == 0.5
+    if warmup:  # 1.0 at the first step, then a third, two thirds of the way down to the step's draw
+        assert seen[0] == 1.0 and all(0.25 < c < 1.0 for c in seen[1:warmup])
     saved = vlmod.load_pretrained(result.model_dir)
     assert set(vlmod.mod_layers(saved).values()) == {0.5}
     with pytest.raises(TrainError, match="capacities must be"):
         TrainConfig(model="m", data="d", output_dir="o", capacities=[0.0])
+
+
+def test_step_capacities_fall_from_one_to_the_draw_during_the_warmup() -> None:
+    from vlmod.train import TrainConfig, TrainError, step_capacities
+
+    def caps(**kw: object) -> list[dict[str, float]]:
+        cfg = TrainConfig(model="m", data="d", output_dir="o", **kw)
+        return [step_capacities(cfg, {"language": 0.4}, step, 10) for step in range(10)]
+
+    assert caps() == [{}] * 10  # nothing to set: the converted capacity stays
+    plain = caps(capacity_warmup=0.5)  # five steps, to the converted capacity
+    assert [round(c["language"], 6) for c in plain] == [1.0, 0.88, 0.76, 0.64, 0.52] + [0.4] * 5
+    drawn = caps(capacities=[0.2, 0.6])
+    warm = caps(capacities=[0.2, 0.6], capacity_warmup=4)
+    for step, (d, w) in enumerate(zip(drawn, warm, strict=True)):
+        left = max(0.0, 1 - step / 4)
+        assert w["language"] == pytest.approx(d["language"] + (1 - d["language"]) * left)
+    assert {c["language"] for c in drawn} == {0.2, 0.6}
+    with pytest.raises(TrainError, match="capacity_warmup must be >= 0"):
+        TrainConfig(model="m", data="d", output_dir="o", capacity_warmup=-1)
 
 
 def test_distillation_loss_is_zero_only_for_the_teacher() -> None:

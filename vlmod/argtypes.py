@@ -61,6 +61,14 @@ def positive_float(text: str) -> float:
     return value
 
 
+def non_negative_float(text: str) -> float:
+    """A finite number >= 0: warm-ups, weights that may be switched off."""
+    value = finite_float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
+    return value
+
+
 def port(text: str) -> int:
     """A TCP port, 1-65535."""
     value = int_at_least(1)(text)

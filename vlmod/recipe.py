@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from vlmod.argtypes import int_at_least, positive_int
+from vlmod.argtypes import int_at_least, non_negative_float, positive_int
 from vlmod.bench.timing import keeps_threads
 from vlmod.errors import InputError
 from vlmod.fileio import save_pretrained_atomic, write_json, write_text
@@ -79,6 +79,7 @@ class RecipeSettings:
     rank_samples: int = 64
     mod_steps: int = 2100
     mod_lr: float = 5e-4
+    capacity_warmup: float = 0.0
     router_lr: float = 5e-3
     routers: tuple[str, ...] = ("random", "stride", "attention")
     vision_capacity: float = 0.5
@@ -349,7 +350,8 @@ def run_recipe(out: str | Path, settings: RecipeSettings | None = None, progress
     mod_stage = {"trainable": "language", "lr": s.mod_lr, "max_steps": s.mod_steps,
                  "distill_from": str(dense) if s.distill else None}
     mod = stages.run("train MoD", lambda: finetune(
-        converted, "mod", router_lr=s.router_lr, capacities=[p["capacity"] for p in result.points], **mod_stage,
+        converted, "mod", router_lr=s.router_lr, capacities=[p["capacity"] for p in result.points],
+        capacity_warmup=s.capacity_warmup, **mod_stage,
     ))
     if s.dense_control:
         control = stages.run(CONTROL_STAGES[0], lambda: finetune(dense, "dense-control", **mod_stage))
@@ -449,6 +451,8 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("mod_steps", positive_int, "steps of MoD fine-tuning"),
     ("mod_lr", float, "learning rate of MoD fine-tuning"),
     ("router_lr", float, "learning rate of the routers"),
+    ("capacity_warmup", non_negative_float, "share of the MoD fine-tune over which capacity falls from 1.0 to "
+                                            "each step's draw (or a step count if >= 1)"),
     ("mod_layers", str, "converted language layers: 'all' (every layer but 0) or 'arank:N'"),
     ("schedule", str, "per-layer capacity schedule: none or cosine"),
     ("seed", int, "seed of data, init, training and evaluation"),

@@ -246,6 +246,22 @@ class TrainResult:
     main_process: bool = True
 
 
+def step_capacities(cfg: TrainConfig, converted: dict[str, float], step: int, total_steps: int) -> dict[str, float]:
+    """Each MoD part's mean capacity for optimizer step `step` (empty: leave them as they are): the
+    step's draw from `cfg.capacities` (seeded by step, so a resumed run draws the same), raised
+    toward 1.0 during `cfg.capacity_warmup`."""
+    if cfg.capacities:
+        draw = cfg.capacities[random.Random(cfg.seed * 1_000_003 + step).randrange(len(cfg.capacities))]
+        targets = dict.fromkeys(converted, draw)
+    elif cfg.capacity_warmup:
+        targets = dict(converted)
+    else:
+        return {}
+    warmup = cfg.capacity_warmup if cfg.capacity_warmup >= 1 else cfg.capacity_warmup * total_steps
+    left = max(0.0, 1.0 - step / warmup) if warmup else 0.0  # share of the warm-up still to go
+    return {name: c + (1.0 - c) * left for name, c in targets.items()}
+
+
 def _make_accelerator(cfg: TrainConfig) -> Any:
     from accelerate import Accelerator
     from accelerate.utils import ProjectConfiguration
@@ -426,17 +442,17 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
     last: dict[str, float] = {}
     val_loss = None
     converted = {p.name: p.config.capacity for p in parts}
-    if cfg.capacities and not parts:
-        raise TrainError("capacities: the model has no MoD layers; convert it (or give mod:) first")
+    if (cfg.capacities or cfg.capacity_warmup) and not parts:
+        key = "capacities" if cfg.capacities else "capacity_warmup"
+        raise TrainError(f"{key}: the model has no MoD layers; convert it (or give mod:) first")
     model.train()
     per_token = accelerator.num_processes > 1 and _takes_loss_kwargs(accelerator.unwrap_model(model))
     while step < total_steps:
         loader.set_epoch(epoch)  # the prepared loader passes its epoch on to the sampler (and a skip-loader)
         epoch_loader = accelerator.skip_first_batches(loader, batch_in_epoch) if batch_in_epoch else loader
         for batch in epoch_loader:
-            if cfg.capacities:
-                draw = random.Random(cfg.seed * 1_000_003 + step).randrange(len(cfg.capacities))
-                set_capacity(accelerator.unwrap_model(model), cfg.capacities[draw])
+            for name, capacity in step_capacities(cfg, converted, step, total_steps).items():
+                set_capacity(accelerator.unwrap_model(model), capacity, part=name)
             with accelerator.accumulate(model):
                 token_share = answer_token_share(batch, accelerator) if per_token else None
                 extra = {} if token_share is None else {"num_items_in_batch": token_share}
@@ -491,7 +507,7 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
             epoch += 1
             batch_in_epoch = 0
     bar.close()
-    for name, capacity in converted.items() if cfg.capacities else ():
+    for name, capacity in converted.items() if cfg.capacities or cfg.capacity_warmup else ():
         set_capacity(accelerator.unwrap_model(model), capacity, part=name)
     out_dir = save_model(accelerator, model, processor, Path(cfg.output_dir) / "model")
     if accelerator.is_main_process:

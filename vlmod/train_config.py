@@ -47,6 +47,10 @@ class TrainConfig:
     capacities: train each step at a mean MoD capacity drawn from this list (seeded by step), so one
         model serves every listed compute point (set one with `vlmod.set_capacity`); the saved model
         keeps the capacity it was converted with. None: always that capacity.
+    capacity_warmup: steps (>= 1) or a fraction of the run (< 1) over which each step's capacity
+        falls linearly from 1.0 to the one it would run at (its draw, or the converted capacity):
+        skipping most tokens at once turns a converted model's loss from the dense model's into
+        ten times that, which the first part of the run then only repairs; 0: no warm-up.
     distill_from: a checkpoint (the dense original) whose answer distribution the model learns to
         match as well (`vlmod.distill`), weighted by `distill_weight`; None: plain fine-tuning.
     """
@@ -90,6 +94,7 @@ class TrainConfig:
     resume: str | None = None
     overwrite: bool = False
     capacities: list[float] | None = None
+    capacity_warmup: float = 0.0
     distill_from: str | None = None
     distill_weight: float = 1.0
 
@@ -123,11 +128,11 @@ class TrainConfig:
                 raise TrainError(f"capacities must be numbers in (0, 1], got {self.capacities!r}")
         if self.max_steps is not None and self.max_steps < 1:
             raise TrainError(f"max_steps must be >= 1 (or left out to train by epochs), got {self.max_steps}")
-        for key in ("save_steps", "eval_steps", "log_steps", "num_workers", "warmup", "weight_decay"):
+        for key in ("save_steps", "eval_steps", "log_steps", "num_workers", "warmup", "weight_decay", "capacity_warmup"):
             if getattr(self, key) < 0:
                 raise TrainError(f"{key} must be >= 0, got {getattr(self, key)}")
         for key in ("lr", "epochs", "warmup", "weight_decay", "max_grad_norm", "lora_dropout", "router_lr",
-                    "aux_loss_weight"):
+                    "aux_loss_weight", "capacity_warmup"):
             value = getattr(self, key)
             if isinstance(value, float) and not math.isfinite(value):
                 raise TrainError(f"{key} must be a finite number, got {value}")
