@@ -346,10 +346,23 @@ def test_the_gap_to_dense_is_paired_per_question() -> None:
     assert gap == pytest.approx(-10.0) and low < gap < high
     # d is -1 on 10 of 100 questions: sd = sqrt(0.1 * 0.9 * 100 / 99), half width 1.96 sd / 10
     assert high - gap == pytest.approx(100 * 1.96 * math.sqrt(0.09 * 100 / 99) / 10)
-    assert paired_gap(swapped, _row("dense", "1" * 50)) is None  # other questions: no pairing
+    assert paired_gap(swapped, {"correct": ""}) is None  # no per-question marks: no pairing
+    # A baseline that answered the first 50 questions is paired with MoD on those 50 only.
+    assert paired_gap(swapped, _row("dense", "1" * 50)) == pytest.approx((-20.0, -31.3, -8.7), abs=0.1)
     one_off = _row("learned", "0" + "1" * 89 + "0" * 10, 3.0, 3.0)  # -1 point, one question
     lines = verdicts([dense, one_off])
     assert lines[0].startswith("/3 (3.00x fewer LM FLOPs measured): MoD 89.0% (-1.0 points vs dense, 95% interval")
     assert "met (at 3.00x), but the 95% interval" in lines[-1] and "within this eval set's noise" in lines[-1]
     assert "stays within it" in verdicts([dense, same])[-1]
     assert verdicts([dense, swapped])[-1].endswith("NOT met")
+
+
+def test_a_baseline_on_the_first_questions_is_compared_with_mod_on_the_same_questions() -> None:
+    from vlmod.frontier import verdicts
+
+    dense = _row("dense", "1" * 100)
+    mod = _row("learned", "0" * 30 + "1" * 70, 3.0, 3.0)  # 70% overall, 25% on the first 40
+    baseline = _row("random", "1" * 20 + "0" * 20, 3.0, 3.0)  # 50% on the first 40: better there
+    assert "beaten by random (50.0%)" in verdicts([dense, mod, baseline])[0]
+    worse = _row("random", "0" * 30 + "1" * 10, 3.0, 3.0)  # 25% on the first 40: a tie is no defeat
+    assert "best of all methods" in verdicts([dense, mod, worse])[0]

@@ -44,8 +44,10 @@ def test_recipe_writes_every_method_at_every_compute_point(task: str, image_run:
     for r in rows:
         assert set(r["gflops"]) == {"vision", "language"}
         assert r["language_reduction"] == pytest.approx(dense["gflops"]["language"] / r["gflops"]["language"])
-        # Every method answered the same questions, one mark each, so its gap to dense is paired.
-        assert len(r["correct"]) == r["samples"] == s.num_val and r["correct"].count("1") == round(r["accuracy"] * s.num_val)
+        # Dense, the control and MoD answered every question, the other methods the first
+        # `baseline_samples`: one mark each, so every gap is paired on the questions both answered.
+        n = s.num_val if r["method"] in ("dense", "dense-control", "learned") else s.baseline_samples or s.num_val
+        assert len(r["correct"]) == r["samples"] == n and r["correct"].count("1") == round(r["accuracy"] * n)
     tower = next(r for r in rows if r["method"] == "learned+vision")
     assert tower["gflops"]["vision"] < dense["gflops"]["vision"]
     if task == "video":
@@ -62,6 +64,7 @@ def test_recipe_writes_every_method_at_every_compute_point(task: str, image_run:
         assert vlmod.mod_layers(vlmod.load_pretrained(out / "dense-control" / "model")) == {}
         assert "control, the dense model fine-tuned again" in (out / "results.md").read_text()
         assert "min without the control" in (out / "results.md").read_text()
+        assert s.baseline_samples < s.num_val and "the other methods the first 7" in (out / "results.md").read_text()
     table = (out / "results.md").read_text()
     assert "| dense |" in table and "goal (3x fewer" in table and "whole recipe" in table
     assert (out / "frontier.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -91,6 +94,19 @@ def test_reuse_dense_refuses_other_settings(image_run: tuple) -> None:
     with pytest.raises(InputError, match="dense_steps"):
         run_recipe(out, dataclasses.replace(RecipeSettings.for_task("image", quick=True), dense_steps=4),
                    progress=False, reuse_dense=True)
+
+
+def test_reuse_dense_with_another_validation_size_keeps_the_training_set(image_run: tuple, tmp_path: Path) -> None:
+    import shutil
+
+    out, result = image_run
+    shutil.copytree(out, tmp_path / "run")
+    train = (out / "data" / "train.json").read_bytes()
+    settings = dataclasses.replace(result.settings, num_val=12, targets=(3.0,))
+    again = run_recipe(tmp_path / "run", settings, progress=False, log=lambda _: None, reuse_dense=True)
+    assert (tmp_path / "run" / "data" / "train.json").read_bytes() == train  # what the dense model learned from
+    assert len(json.loads((tmp_path / "run" / "data" / "val.json").read_text())) == 12
+    assert again.row("dense")["samples"] == 12 and "data" in again.stages
 
 
 def test_recipe_settings_refuse_bad_values(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -147,17 +147,27 @@ def row(method: str, target: float | None, setting: str, report: Any, extra_lang
 
 def paired_gap(a: Mapping[str, Any], b: Mapping[str, Any]) -> tuple[float, float, float] | None:
     """Accuracy of row `a` minus row `b` in points, with its 95% interval (normal approximation of
-    the mean per-question difference: the questions both got right or wrong add no noise), or None
-    where the rows did not answer the same questions."""
+    the mean per-question difference: the questions both got right or wrong add no noise), over
+    the questions both answered (the rows come from one eval set in one order, one of them
+    perhaps on its first N only: the recipe's baselines), or None without per-question marks."""
     ca, cb = a.get("correct"), b.get("correct")
-    if not ca or not cb or len(ca) != len(cb) or len(ca) < 2:
+    n = min(len(ca or ""), len(cb or ""))
+    if n < 2:
         return None
-    n = len(ca)
+    ca, cb = ca[:n], cb[:n]
     diffs = [int(x) - int(y) for x, y in zip(ca, cb, strict=True)]
     mean = sum(diffs) / n
     var = sum((d - mean) ** 2 for d in diffs) / (n - 1)
     half = 1.96 * (var / n) ** 0.5
     return 100 * mean, 100 * (mean - half), 100 * (mean + half)
+
+
+def _accuracy_on(a: Mapping[str, Any], b: Mapping[str, Any]) -> float:
+    """Row `a`'s accuracy on the questions both rows answered (the first N of one eval set)."""
+    ca, cb = a.get("correct") or "", b.get("correct") or ""
+    if not ca or not cb or len(ca) <= len(cb):
+        return a["accuracy"]
+    return ca[:len(cb)].count("1") / len(cb)
 
 
 def _gap_text(mod: Mapping[str, Any], dense: Mapping[str, Any], name: str = "dense") -> str:
@@ -199,7 +209,7 @@ def verdicts(rows: Sequence[Mapping[str, Any]], goal: float = 3.0, within: float
         mod = next((r for r in at if r["method"] == "learned"), None)
         if mod is None:
             continue
-        better = [r for r in at if r["method"] != "learned" and r["accuracy"] > mod["accuracy"]]
+        better = [r for r in at if r["method"] != "learned" and _accuracy_on(r, mod) > _accuracy_on(mod, r)]
         best = "best of all methods" if not better else "beaten by " + ", ".join(
             f"{r['method']} ({100 * r['accuracy']:.1f}%)" for r in better)
         lines.append(

@@ -53,6 +53,7 @@ class RecipeSettings:
     task: str = "image"
     num_train: int = 16000
     num_val: int = 400
+    baseline_samples: int | None = None
     image_size: int = 32
     frames: int = 8
     distractors: int = 0
@@ -97,7 +98,7 @@ class RecipeSettings:
             raise InputError(f"--task must be one of {', '.join(TASKS)}, got {task!r}")
         base: dict[str, Any] = {"task": task}
         if task == "video":
-            base.update(num_train=8000, num_val=420, batch_size=16, eval_batch_size=16, captions=True,
+            base.update(num_train=8000, num_val=2520, baseline_samples=420, batch_size=16, eval_batch_size=16, captions=True,
                         image_steps=2000, num_train_images=8000, dense_steps=2000, mod_steps=1500, mod_lr=1e-3)
         if quick:
             base.update(
@@ -106,7 +107,7 @@ class RecipeSettings:
                 frames=4, eval_batch_size=16, targets=(1.5, 3.0),
             )
             if task == "video":
-                base.update(image_steps=2, num_train_images=16)
+                base.update(image_steps=2, num_train_images=16, baseline_samples=7)
         base.update(overrides)
         return cls(**base)
 
@@ -154,7 +155,7 @@ class RecipeResult:
 
 
 _DENSE_SETTINGS = (
-    "task", "num_train", "num_val", "image_size", "frames", "distractors", "captions", "width", "layers", "heads", "kv_heads",
+    "task", "num_train", "image_size", "frames", "distractors", "captions", "width", "layers", "heads", "kv_heads",
     "vision_width", "vision_layers", "patch_size", "dense_steps", "dense_lr", "weight_decay", "batch_size", "seed",
     "image_steps", "num_train_images", "image_batch_size", "image_model",
 )
@@ -288,6 +289,8 @@ def run_recipe(out: str | Path, settings: RecipeSettings | None = None, progress
     if reuse_dense:
         result.stages.update(_check_reusable(out, s))
         log(f"== reusing the dense model in {dense} (trained in {result.stages['train dense']:.0f} s)")
+        if not val_json.is_file() or len(json.loads(val_json.read_text())) != s.num_val:
+            stages.run("data", make_data)  # another validation size; the same seed writes the same training set
     else:
         stages.run("data", make_data)
         stages.run("init", init)
@@ -301,9 +304,11 @@ def run_recipe(out: str | Path, settings: RecipeSettings | None = None, progress
     processor = AutoProcessor.from_pretrained(dense)
     dims = DecoderDims.from_config(load_pretrained(dense).config.text_config)
 
-    def evaluated(model: Any, name: str, **kw: Any) -> Any:
+    def evaluated(model: Any, name: str, baseline: bool = False, **kw: Any) -> Any:
+        """`baseline`: one of the other methods, on the first `baseline_samples` questions."""
         report = evaluate(model, processor, val_json, batch_size=s.eval_batch_size, max_new_tokens=4,
-                          progress=progress, name=name, num_frames=kw.pop("num_frames", s.frames), **kw)
+                          progress=progress, name=name, num_frames=kw.pop("num_frames", s.frames),
+                          limit=s.baseline_samples if baseline else None, **kw)
         log(f"   {name}: accuracy {100 * report.accuracy:.1f}%, answer loss {report.answer_loss:.3f}, "
             f"LM GFLOPs {report.flops_by_part['language'] / 1e9:.4f}")
         return report
@@ -372,23 +377,23 @@ def run_recipe(out: str | Path, settings: RecipeSettings | None = None, progress
                     return evaluated(mod_model, name)
                 set_router(mod_model, router)
                 try:
-                    return evaluated(mod_model, name)
+                    return evaluated(mod_model, name, baseline=True)
                 finally:
                     set_router(mod_model, "learned")
             result.rows.append(frontier.row(method, t, setting, stages.run(f"eval {method}", run_mod)))
         if "attention" in s.routers:
             # Its scoring costs FLOPs too: a lower capacity reaches the same total.
             set_capacity(attention_model, p["attention_capacity"])
-            report = stages.run("eval attention", lambda n=f"attention /{t:g}": evaluated(attention_model, n))
+            report = stages.run("eval attention", lambda n=f"attention /{t:g}": evaluated(attention_model, n, baseline=True))
             result.rows.append(frontier.row("attention", t, f"capacity {p['attention_capacity']:.3f}", report,
                                             len(layers) * scoring))
         reducer = PreLLMReduction(dense_model, p["keep"])
-        report = stages.run("eval reduce", lambda r=reducer, n=f"reduce /{t:g}": evaluated(r, n, flops_fn=reduction_flops))
+        report = stages.run("eval reduce", lambda r=reducer, n=f"reduce /{t:g}": evaluated(r, n, baseline=True, flops_fn=reduction_flops))
         report.processed_fraction = {"kept": p["keep"]}
         result.rows.append(frontier.row("reduce", t, f"keep {p['keep']:.3f}", report))
         if video:
             f = p["frames"]
-            report = stages.run("eval frames", lambda f=f: evaluated(dense_model, f"frames {f}", num_frames=f))
+            report = stages.run("eval frames", lambda f=f: evaluated(dense_model, f"frames {f}", baseline=True, num_frames=f))
             report.processed_fraction = {"frames": f / s.frames}
             # Against the dense model on every frame, not the report's own dense count on fewer.
             result.rows.append(frontier.row("frames", t, f"{f} of {s.frames} frames", report,
@@ -398,7 +403,7 @@ def run_recipe(out: str | Path, settings: RecipeSettings | None = None, progress
     set_capacity(mod_model, main["capacity"])
     tower = MoDConfig(capacity=s.vision_capacity, layers=[s.vision_layers - 1], routable=("image",), router="attention")
     apply_mod(mod_model, tower, part="vision")
-    report = stages.run("eval vision MoD", lambda: evaluated(mod_model, "learned + vision tower"))
+    report = stages.run("eval vision MoD", lambda: evaluated(mod_model, "learned + vision tower", baseline=True))
     report.processed_fraction = {k: v for k, v in report.processed_fraction.items() if k.startswith("language")}
     result.rows.append(frontier.row("learned+vision", main["target"],
                                     f"capacity {main['capacity']:.3f}, tower {s.vision_capacity:g}", report))
@@ -423,8 +428,12 @@ def format_results(result: RecipeResult) -> str:
         lines += ["(* needs several frames)", ""]
     lines.append(f"- converted language layers {result.layers} of {s.layers}; ARank normalised ranks "
                  f"{[round(r, 3) for r in result.ranks]}")
+    dense_row = result.row("dense")
+    if s.baseline_samples and s.baseline_samples < dense_row["samples"]:
+        lines.append(f"- questions: dense, the control and MoD answered all {dense_row['samples']} validation "
+                     f"questions, the other methods the first {s.baseline_samples} (each compared with MoD on those)")
     lines += [f"- {v}" for v in verdicts(result.rows, s.goal)]
-    dense = result.row("dense")
+    dense = dense_row
     lines.append(f"- dense accuracy {100 * dense['accuracy']:.1f}% (aim >= 90%), by type "
                  + ", ".join(f"{t} {100 * a:.1f}%" for t, a in sorted(dense["accuracy_by_type"].items())))
     total = sum(result.stages.values())
@@ -439,7 +448,8 @@ def format_results(result: RecipeResult) -> str:
 
 _FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("num_train", positive_int, "training images (image task) or clips (video task)"),
-    ("num_val", positive_int, "validation samples"),
+    ("num_val", positive_int, "validation samples: dense, the control and MoD answer them all"),
+    ("baseline_samples", positive_int, "the other methods answer the first N validation samples (None: all)"),
     ("frames", positive_int, "frames per clip (video task)"),
     ("width", positive_int, "language model width"),
     ("layers", positive_int, "language model layers"),
