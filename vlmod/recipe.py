@@ -428,12 +428,11 @@ def format_results(result: RecipeResult) -> str:
         lines += ["(* needs several frames)", ""]
     lines.append(f"- converted language layers {result.layers} of {s.layers}; ARank normalised ranks "
                  f"{[round(r, 3) for r in result.ranks]}")
-    dense_row = result.row("dense")
-    if s.baseline_samples and s.baseline_samples < dense_row["samples"]:
-        lines.append(f"- questions: dense, the control and MoD answered all {dense_row['samples']} validation "
+    dense = result.row("dense")
+    if s.baseline_samples and s.baseline_samples < dense["samples"]:
+        lines.append(f"- questions: dense, the control and MoD answered all {dense['samples']} validation "
                      f"questions, the other methods the first {s.baseline_samples} (each compared with MoD on those)")
     lines += [f"- {v}" for v in verdicts(result.rows, s.goal)]
-    dense = dense_row
     lines.append(f"- dense accuracy {100 * dense['accuracy']:.1f}% (aim >= 90%), by type "
                  + ", ".join(f"{t} {100 * a:.1f}%" for t, a in sorted(dense["accuracy_by_type"].items())))
     total = sum(result.stages.values())
