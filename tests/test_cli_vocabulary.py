@@ -263,7 +263,7 @@ def test_synthetic_data_defaults_are_the_recipes():
 
     image, video = RecipeSettings.for_task("image"), RecipeSettings.for_task("video")
     args = build_parser().parse_args(["data", "synthetic"])
-    assert (args.train, args.val) == (image.num_train, image.num_val) == (16000, 400)
+    assert (args.train, args.val) == (image.num_train, image.num_val) == (16000, 2400)
     assert (args.image_size, args.distractors) == (image.image_size, image.distractors)
     assert (args.videos, args.frames) == (video.num_train, video.frames)
 

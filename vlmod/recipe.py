@@ -52,8 +52,8 @@ class RecipeSettings:
 
     task: str = "image"
     num_train: int = 16000
-    num_val: int = 400
-    baseline_samples: int | None = None
+    num_val: int = 2400
+    baseline_samples: int | None = 400
     image_size: int = 32
     frames: int = 8
     distractors: int = 0
