@@ -211,6 +211,29 @@ def test_frame_subsampling_runs_fewer_frames_and_counts_them(model_and_processor
             dims, text + FRAMES // 2 * TOKENS_PER_FRAME), rel=0.2)
 
 
+def test_a_learned_frame_pool_starts_as_the_average_and_counts_its_flops(
+    model_and_processor: tuple, video_set: Path
+) -> None:
+    model, processor = model_and_processor
+    conv, _ = tiny.build("llava_next_video", width=64, layers=4, vision_width=32, vision_layers=2, image_size=32,
+                         patch_size=4, vision_feature_layer=-1, spatial_pool_mode="conv", seed=1)
+    assert tiny.copy_weights(model, conv) == ["model.vision_resampler.pool.weight", "model.vision_resampler.pool.bias"]
+    inputs = _prompts(video_set, processor)
+    with torch.no_grad():
+        assert torch.allclose(conv(**inputs).logits, model(**inputs).logits, atol=1e-5)
+    average = evaluate(model, processor, video_set / "video_val.json", batch_size=8, max_new_tokens=1,
+                       progress=False, num_frames=FRAMES)
+    learned = evaluate(conv, processor, video_set / "video_val.json", batch_size=8, max_new_tokens=1,
+                       progress=False, num_frames=FRAMES)
+    # Per frame: 16 pooled tokens, each a Linear(4 x 32 -> 32) over its 2 x 2 patches.
+    assert learned.flops_by_part["vision"] - average.flops_by_part["vision"] == pytest.approx(
+        FRAMES * 2 * TOKENS_PER_FRAME * 4 * 32 * 32)
+    assert learned.flops_by_part["language"] == average.flops_by_part["language"]
+    reduced = reduction_flops(PreLLMReduction(conv, 0.5), inputs)["vision"]
+    assert reduced - reduction_flops(PreLLMReduction(model, 0.5), inputs)["vision"] == pytest.approx(
+        FRAMES * 2 * TOKENS_PER_FRAME * 4 * 32 * 32)
+
+
 # ----------------------------------------------------------------------------- compute points
 
 

@@ -117,6 +117,8 @@ def test_recipe_settings_refuse_bad_values(tmp_path: Path, capsys: pytest.Captur
         RecipeSettings.for_task("audio")
     with pytest.raises(InputError, match="targets"):
         RecipeSettings.for_task("image", targets=(0.5,))
+    assert main(["recipe", "--quick", "--out", str(tmp_path / "run"), "--task", "video", "--video-pool", "mean"]) == 2
+    assert "video_pool must be one of average, max, conv, got 'mean'" in capsys.readouterr().err
     for argv, message in [(["--task", "image", "--image-model", str(tmp_path)], "for --task video"),
                           (["--task", "video", "--image-model", str(tmp_path)], "no config.json")]:
         assert main(["recipe", "--quick", "--out", str(tmp_path / "run"), *argv]) == 2

@@ -336,9 +336,24 @@ def vision_images(inputs: Mapping[str, object]) -> int:
     return n
 
 
+def frame_pooling_flops(model: nn.Module, inputs: Mapping[str, object]) -> float:
+    """FLOPs of a learned frame pooling (LLaVA-NeXT-Video's `spatial_pool_mode="conv"`, a
+    stride x stride convolution per frame) over a batch's video frames; 0 for the parameter-free
+    average and max pools."""
+    pool = getattr(getattr(getattr(model, "model", model), "vision_resampler", None), "pool", None)
+    videos = inputs.get("pixel_values_videos")
+    if not isinstance(pool, nn.Conv2d) or not isinstance(videos, Tensor):
+        return 0.0
+    cfg = model.config.vision_config
+    side = _side(cfg.image_size) // _side(cfg.patch_size) // pool.stride[0]
+    frames = videos.shape[0] * (videos.shape[1] if videos.dim() == 5 else 1)
+    kernel = pool.in_channels * pool.kernel_size[0] * pool.kernel_size[1]
+    return frames * linear_flops(side * side, kernel, pool.out_channels)
+
+
 def generation_flops(model: nn.Module, inputs: Mapping[str, object], trace: object | None) -> dict[str, float]:
     """Prefill FLOPs per sequence of a LLaVA model on a batch of processor outputs: the vision
-    tower (every picture) and the language backbone, counted as a dense-mask kernel computes
+    tower (every picture, and a learned frame pooling) and the language backbone, counted as a dense-mask kernel computes
     attention ("language", "total") and as a causal kernel does ("language_causal",
     "total_causal"; see `language_prefill_flops`). `trace`: a `RoutingTrace` of that prefill for a
     MoD model, None for a dense one."""
@@ -352,6 +367,7 @@ def generation_flops(model: nn.Module, inputs: Mapping[str, object], trace: obje
         vision *= vision_images(inputs) / batch
     else:  # a packed tower (Qwen): each picture its own number of patches, never routed
         vision = sum(vit_flops(hf_vision_dims(model.config.vision_config, n)) for n in packed) / batch
+    vision += frame_pooling_flops(model, inputs) / batch
     tokens = float(inputs["attention_mask"].sum(1, dtype=torch.float64).mean())
     dims = DecoderDims.from_config(model.config.text_config)
     counts = processed_counts(processed, "language")

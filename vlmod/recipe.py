@@ -43,6 +43,7 @@ from vlmod.errors import InputError
 from vlmod.fileio import save_pretrained_atomic, write_json, write_text
 
 TASKS = ("image", "video")
+VIDEO_POOLS = ("average", "max", "conv")
 CONTROL_STAGES = ("train dense control", "eval dense control")  # opt-in: left out of the recipe's own time
 
 
@@ -56,6 +57,7 @@ class RecipeSettings:
     baseline_samples: int | None = 400
     image_size: int = 32
     frames: int = 8
+    video_pool: str = "average"
     distractors: int = 0
     captions: bool = False
     width: int = 128
@@ -116,6 +118,8 @@ class RecipeSettings:
             raise InputError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
         if not self.targets or any(t <= 1.0 for t in self.targets):
             raise InputError(f"targets are LM FLOPs reductions > 1 (e.g. 2 for half the FLOPs), got {self.targets}")
+        if self.video_pool not in VIDEO_POOLS:
+            raise InputError(f"video_pool must be one of {', '.join(VIDEO_POOLS)}, got {self.video_pool!r}")
         self.targets = tuple(sorted(float(t) for t in self.targets))
         self.routers = tuple(self.routers)
 
@@ -155,7 +159,7 @@ class RecipeResult:
 
 
 _DENSE_SETTINGS = (
-    "task", "num_train", "image_size", "frames", "distractors", "captions", "width", "layers", "heads", "kv_heads",
+    "task", "num_train", "image_size", "frames", "video_pool", "distractors", "captions", "width", "layers", "heads", "kv_heads",
     "vision_width", "vision_layers", "patch_size", "dense_steps", "dense_lr", "weight_decay", "batch_size", "seed",
     "image_steps", "num_train_images", "image_batch_size", "image_model",
 )
@@ -254,7 +258,7 @@ def run_recipe(out: str | Path, settings: RecipeSettings | None = None, progress
         return tiny.build(
             family, width=s.width, layers=s.layers, heads=s.heads, kv_heads=s.kv_heads, vision_width=s.vision_width,
             vision_layers=s.vision_layers, image_size=s.image_size, patch_size=s.patch_size,
-            vision_feature_layer=-1, seed=s.seed,
+            vision_feature_layer=-1, spatial_pool_mode=s.video_pool, seed=s.seed,
         )
 
     def init() -> None:
@@ -450,6 +454,8 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("num_val", positive_int, "validation samples: dense, the control and MoD answer them all"),
     ("baseline_samples", positive_int, "the other methods answer the first N validation samples (None: all)"),
     ("frames", positive_int, "frames per clip (video task)"),
+    ("video_pool", str, "pooling of each frame's 2x2 patches (video task): average, max, or conv (learned, "
+                        "starts as average)"),
     ("width", positive_int, "language model width"),
     ("layers", positive_int, "language model layers"),
     ("vision_width", positive_int, "vision tower width"),

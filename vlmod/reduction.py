@@ -236,6 +236,7 @@ def reduction_flops(reducer: PreLLMReduction, inputs: Mapping[str, Any], trace: 
     from vlmod.flops import (
         DecoderDims,
         cls_attention_flops,
+        frame_pooling_flops,
         hf_vision_dims,
         language_prefill_flops,
         vision_images,
@@ -246,7 +247,7 @@ def reduction_flops(reducer: PreLLMReduction, inputs: Mapping[str, Any], trace: 
     batch = inputs["input_ids"].shape[0]
     frames = vision_images(inputs)
     dims = hf_vision_dims(cfg.vision_config)
-    vision = (vit_flops(dims) + cls_attention_flops(dims)) * frames / batch
+    vision = ((vit_flops(dims) + cls_attention_flops(dims)) * frames + frame_pooling_flops(reducer.model, inputs)) / batch
     n_vision, kept = reducer.vision_tokens(inputs)
     tokens = float((inputs["attention_mask"].sum(1) - n_vision + kept).double().mean())
     language = language_prefill_flops(DecoderDims.from_config(cfg.text_config), tokens)

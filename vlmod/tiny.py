@@ -107,13 +107,16 @@ def build(
     attn_implementation: str = "sdpa",
     vision_feature_layer: int | None = None,
     spatial_pool_stride: int = 2,
+    spatial_pool_mode: str = "average",
     seed: int = 0,
 ) -> tuple[torch.nn.Module, Any]:
     """(model, processor) of a tiny random model of `family`, in eval mode, float32.
 
     vision_feature_layer: the tower layer whose output feeds the projector (None: the family's
         default, -2 for CLIP towers as in LLaVA, -1 for SigLIP); -1 makes every tower layer count.
-    spatial_pool_stride: LLaVA-NeXT-Video's pooling of each frame's patch grid."""
+    spatial_pool_stride, spatial_pool_mode: LLaVA-NeXT-Video's pooling of each frame's patch grid
+        ("average", "max", or "conv": a learned stride x stride convolution, initialised to
+        average, so it starts as the average pool and can learn to keep what averaging blurs)."""
     import transformers as tf
 
     if family in VLM_FAMILIES:
@@ -163,7 +166,8 @@ def build(
         config = tf.LlavaNextVideoConfig(
             vision_config=tf.CLIPVisionConfig(**vision_kwargs), text_config=text,
             vision_feature_layer=clip_layer, vision_feature_select_strategy="default", image_grid_pinpoints=grid,
-            video_token_index=video_id, spatial_pool_stride=spatial_pool_stride, **common,
+            video_token_index=video_id, spatial_pool_stride=spatial_pool_stride, spatial_pool_mode=spatial_pool_mode,
+            **common,
         )
         image_proc = tf.LlavaNextImageProcessor(size=size, crop_size=crop, image_grid_pinpoints=grid)
         video_proc = tf.LlavaNextVideoVideoProcessor(size=size, crop_size=crop)
@@ -187,6 +191,8 @@ def build(
     config._attn_implementation = attn_implementation
     torch.manual_seed(seed)
     model = model_cls(config).eval()
+    if family == "llava_next_video" and spatial_pool_mode == "conv":
+        _average_init(model.model.vision_resampler.pool)
     if family == "llava_onevision":
         kwargs = {"vision_feature_select_strategy": "full"}
     else:
@@ -200,6 +206,16 @@ def build(
         image_processor=image_proc, tokenizer=tok, chat_template=CHAT_TEMPLATE, **kwargs, **extra
     )
     return model, processor
+
+
+def _average_init(conv: torch.nn.Conv2d) -> None:
+    """A k x k, stride-k convolution that computes the average pool of each channel."""
+    k = conv.kernel_size[0] * conv.kernel_size[1]
+    with torch.no_grad():
+        conv.weight.zero_()
+        channels = torch.arange(min(conv.in_channels, conv.out_channels))
+        conv.weight[channels, channels] = 1.0 / k
+        conv.bias.zero_()
 
 
 QWEN_TOKENS = {
