@@ -179,6 +179,30 @@ def test_reduction_flops_are_the_kept_tokens(model_and_processor: tuple, batch: 
     assert tower < counted["vision"] < tower * 1.05  # the tower plus its CLS scoring
 
 
+@pytest.mark.parametrize("scoring", ["cls", "mean"])
+def test_reduction_scores_are_the_towers_own_attention(scoring: str) -> None:
+    """Against the CLIP tower's own attention probabilities (eager attention, output_attentions)
+    in the layer whose output the projector reads: the CLS row, or the mean over every query."""
+    model, _ = tiny.build("llava", width=64, layers=2, vision_width=32, vision_layers=2, image_size=32, patch_size=8,
+                          vision_feature_layer=-1, attn_implementation="eager", seed=2)
+    pixels = torch.randn(3, 3, 32, 32)
+    reducer = PreLLMReduction(model, 0.5, scoring)
+    with torch.no_grad():
+        _, scores, _ = reducer._media({"pixel_values": pixels})
+        probs = model.model.vision_tower(pixels, output_attentions=True).attentions[-1].mean(1)  # [B, L, L]
+    expected = probs[:, 0, 1:] if scoring == "cls" else probs.mean(1)[:, 1:]
+    assert torch.allclose(scores.view(3, -1), expected, atol=1e-6)
+    dims = hf_vision_dims(model.config.vision_config)
+    batch = {"input_ids": torch.zeros(3, 20, dtype=torch.long), "attention_mask": torch.ones(3, 20, dtype=torch.long),
+             "pixel_values": pixels}
+    extra = reduction_flops(reducer, batch)["vision"] - vit_flops(dims)
+    width, n = dims.heads * dims.head_dim, dims.num_tokens
+    queries = 1 if scoring == "cls" else n
+    assert extra == pytest.approx(2 * queries * dims.dim * width + 2 * n * dims.dim * width + 2 * queries * n * width)
+    with pytest.raises(ValueError, match="scoring must be one of cls, mean"):
+        PreLLMReduction(model, 0.5, "max")
+
+
 def test_reduction_refuses_what_it_cannot_rank() -> None:
     llava_next, _ = tiny.build("llava_next")
     with pytest.raises(TypeError, match="pre-LLM reduction supports"):

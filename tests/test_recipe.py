@@ -113,6 +113,30 @@ def test_reuse_dense_with_another_validation_size_keeps_the_training_set(image_r
     assert again.row("dense")["samples"] == 12 and "data" in again.stages
 
 
+def test_reuse_trained_only_evaluates_again(image_run: tuple, tmp_path: Path) -> None:
+    import shutil
+
+    from vlmod.errors import InputError
+
+    out, result = image_run
+    shutil.copytree(out, tmp_path / "run")
+    mod_log = (tmp_path / "run" / "mod" / "train_log.json").read_bytes()
+    settings = dataclasses.replace(result.settings, reduction_scoring="cls")  # an eval-side change
+    again = run_recipe(tmp_path / "run", settings, progress=False, log=lambda _: None, reuse_dense=True,
+                       reuse_trained=True)
+    assert (tmp_path / "run" / "mod" / "train_log.json").read_bytes() == mod_log  # not trained again
+    assert again.stages["train MoD"] == result.stages["train MoD"]
+    before = [r for r in json.loads((out / "results.json").read_text())["results"] if r["method"] == "learned"]
+    after = [r for r in json.loads((tmp_path / "run" / "results.json").read_text())["results"] if r["method"] == "learned"]
+    assert [r["correct"] for r in after] == [r["correct"] for r in before]
+    assert all("cls attention" in r["setting"] for r in again.rows if r["method"] == "reduce")
+    with pytest.raises(InputError, match="max_steps"):
+        run_recipe(tmp_path / "run", dataclasses.replace(settings, mod_steps=3), progress=False, log=lambda _: None,
+                   reuse_dense=True, reuse_trained=True)
+    with pytest.raises(InputError, match="goes with --reuse-dense"):
+        run_recipe(tmp_path / "run", settings, progress=False, log=lambda _: None, reuse_trained=True)
+
+
 def test_recipe_settings_refuse_bad_values(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     from vlmod.cli import main
     from vlmod.errors import InputError

@@ -41,6 +41,7 @@ from vlmod.argtypes import int_at_least, non_negative_float, positive_int
 from vlmod.bench.timing import keeps_threads
 from vlmod.errors import InputError
 from vlmod.fileio import save_pretrained_atomic, write_json, write_text
+from vlmod.reduction import SCORINGS
 
 TASKS = ("image", "video")
 VIDEO_POOLS = ("average", "max", "conv")
@@ -86,6 +87,9 @@ class RecipeSettings:
     router_lr: float = 5e-3
     routers: tuple[str, ...] = ("random", "stride", "attention")
     vision_capacity: float = 0.5
+    # Pre-LLM reduction ranks patches by the attention every query pays them: these towers are
+    # trained from scratch under LLaVA, which reads only the patches, so their CLS is untrained.
+    reduction_scoring: str = "mean"
     distill: bool = True
     dense_control: bool = False
     eval_batch_size: int = 32
@@ -119,6 +123,8 @@ class RecipeSettings:
             raise InputError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
         if not self.targets or any(t <= 1.0 for t in self.targets):
             raise InputError(f"targets are LM FLOPs reductions > 1 (e.g. 2 for half the FLOPs), got {self.targets}")
+        if self.reduction_scoring not in SCORINGS:
+            raise InputError(f"reduction_scoring must be one of {', '.join(SCORINGS)}, got {self.reduction_scoring!r}")
         if self.video_pool not in VIDEO_POOLS:
             raise InputError(f"video_pool must be one of {', '.join(VIDEO_POOLS)}, got {self.video_pool!r}")
         self.targets = tuple(sorted(float(t) for t in self.targets))
@@ -179,6 +185,26 @@ def _check_reusable(out: Path, s: RecipeSettings) -> dict[str, float]:
     return before["stage_seconds"]
 
 
+_RUN_PATHS = ("model", "data", "output_dir", "distill_from", "overwrite", "resume")  # follow from --out
+
+
+def _reusable_finetune(out: Path, cfg: Any) -> tuple[Path, float]:
+    """(model, training seconds) of an earlier run's fine-tune into `cfg.output_dir`, if it was
+    trained with these settings (`--reuse-trained`): the recipe then only evaluates again."""
+    run = Path(cfg.output_dir)
+    log, results = run / "train_log.json", out / "results.json"
+    if not (run / "model" / "model.safetensors").is_file() or not log.is_file() or not results.is_file():
+        raise InputError(f"--reuse-trained: {out} holds no finished {run.name} stage and results.json; "
+                         "run the recipe without it once")
+    saved, now = json.loads(log.read_text())["config"], asdict(cfg)
+    defaults = {f.name: f.default for f in fields(type(cfg))}
+    changed = [k for k in now if k not in _RUN_PATHS and saved.get(k, defaults.get(k)) != now[k]]
+    if changed:
+        raise InputError(f"--reuse-trained: the {run.name} stage in {out} was trained with other {', '.join(changed)}")
+    stage = {"mod": "train MoD", "dense-control": CONTROL_STAGES[0]}[run.name]
+    return run / "model", json.loads(results.read_text())["stage_seconds"][stage]
+
+
 class _Stages:
     """Times each stage and prints it as it ends."""
 
@@ -215,10 +241,12 @@ def token_counts(processor: Any, data: Path, s: RecipeSettings, limit: int = 64)
 
 @keeps_threads  # --threads applies to the recipe, not to what runs after it in the process
 def run_recipe(out: str | Path, settings: RecipeSettings | None = None, progress: bool = True,
-               log: Callable[[str], None] = print, reuse_dense: bool = False) -> RecipeResult:
+               log: Callable[[str], None] = print, reuse_dense: bool = False,
+               reuse_trained: bool = False) -> RecipeResult:
     """Run every stage into `out` (see the module doc) and write results.json / results.md /
     frontier.png. reuse_dense: keep the dense model of an earlier run in `out` trained with the
-    same settings (its training time is taken from that run's record)."""
+    same settings (its training time is taken from that run's record); reuse_trained: keep its
+    MoD fine-tune and control too (the same settings), so only the evaluations run again."""
     from transformers import AutoProcessor
 
     from vlmod import frontier, tiny
@@ -267,12 +295,17 @@ def run_recipe(out: str | Path, settings: RecipeSettings | None = None, progress
         for family, folder in [(s.family, "init")] + ([("llava", "image-init")] if image_stage else []):
             save_pretrained_atomic(*build(family), out / folder)
 
+    trained: dict[str, float] = {}  # --reuse-trained: the earlier run's training seconds per run
+
     def finetune(model: Path, run: str, data_json: Path = train_json, batch_size: int = s.batch_size,
                  **kw: Any) -> Path:
         cfg = TrainConfig(
             model=str(model), data=str(data_json), output_dir=str(out / run), batch_size=batch_size,
             cache_data=True, seed=s.seed, log_steps=25, warmup=0.05, num_frames=s.frames, overwrite=True, **kw,
         )
+        if reuse_trained and run in ("mod", "dense-control"):
+            model_dir, trained[run] = _reusable_finetune(out, cfg)
+            return model_dir
         return train(cfg, progress=progress).model_dir
 
     def train_on_images() -> Path:
@@ -291,6 +324,8 @@ def run_recipe(out: str | Path, settings: RecipeSettings | None = None, progress
         return out / "init-images"
 
     dense = out / "dense" / "model"
+    if reuse_trained and not reuse_dense:
+        raise InputError("--reuse-trained goes with --reuse-dense (the fine-tunes start from that dense model)")
     if reuse_dense:
         result.stages.update(_check_reusable(out, s))
         log(f"== reusing the dense model in {dense} (trained in {result.stages['train dense']:.0f} s)")
@@ -369,6 +404,11 @@ def run_recipe(out: str | Path, settings: RecipeSettings | None = None, progress
     ))
     if s.dense_control:
         control = stages.run(CONTROL_STAGES[0], lambda: finetune(dense, "dense-control", **mod_stage))
+    for run, stage in (("mod", "train MoD"), ("dense-control", CONTROL_STAGES[0])):
+        if run in trained:
+            result.stages[stage] = trained[run]
+            log(f"   {stage}: reused the earlier run's model (trained in {trained[run]:.0f} s)")
+    if s.dense_control:
         report = stages.run(CONTROL_STAGES[1], lambda: evaluated(load_pretrained(control).eval(), "dense control"))
         result.rows.append(frontier.row("dense-control", None, f"+{s.mod_steps} steps as the MoD stage", report))
     mod_model = load_pretrained(mod).eval()
@@ -396,10 +436,10 @@ def run_recipe(out: str | Path, settings: RecipeSettings | None = None, progress
             report = stages.run("eval attention", lambda n=f"attention /{t:g}": evaluated(attention_model, n, baseline=True))
             result.rows.append(frontier.row("attention", t, f"capacity {p['attention_capacity']:.3f}", report,
                                             len(layers) * scoring))
-        reducer = PreLLMReduction(dense_model, p["keep"])
+        reducer = PreLLMReduction(dense_model, p["keep"], s.reduction_scoring)
         report = stages.run("eval reduce", lambda r=reducer, n=f"reduce /{t:g}": evaluated(r, n, baseline=True, flops_fn=reduction_flops))
         report.processed_fraction = {"kept": p["keep"]}
-        result.rows.append(frontier.row("reduce", t, f"keep {p['keep']:.3f}", report))
+        result.rows.append(frontier.row("reduce", t, f"keep {p['keep']:.3f}, {s.reduction_scoring} attention", report))
         if video:
             f = p["frames"]
             report = stages.run("eval frames", lambda f=f: evaluated(dense_model, f"frames {f}", baseline=True, num_frames=f))
@@ -475,6 +515,8 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
                                             "each step's draw (or a step count if >= 1)"),
     ("mod_layers", str, "converted language layers: 'all' (every layer but 0) or 'arank:N'"),
     ("schedule", str, "per-layer capacity schedule: none or cosine"),
+    ("reduction_scoring", str, "what ranks the patches pre-LLM reduction keeps: cls (the CLS query's "
+                               "attention, VisionZip on CLIP) or mean (every query's)"),
     ("seed", int, "seed of data, init, training and evaluation"),
 )
 
@@ -509,6 +551,9 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     parser.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--reuse-dense", action="store_true",
                         help="keep the dense model of an earlier run in --out (same settings); rerun the MoD stages")
+    parser.add_argument("--reuse-trained", action="store_true",
+                        help="with --reuse-dense: keep the MoD fine-tune and the control of that run too (same "
+                             "settings) and only evaluate again, e.g. after a baseline changed (default: train them)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.set_defaults(run=run_recipe_command)
     return parser
@@ -547,7 +592,8 @@ def run_recipe_command(args: argparse.Namespace) -> int:
     from vlmod.paths import check_output_dir
 
     out = check_output_dir(args.out or f"runs/synthetic-{args.task}", "--out")
-    run_recipe(out, settings, progress=not args.no_progress, reuse_dense=args.reuse_dense)
+    run_recipe(out, settings, progress=not args.no_progress, reuse_dense=args.reuse_dense,
+               reuse_trained=args.reuse_trained)
     print(f"results written to {out / 'results.md'}, results.json and frontier.png")
     return 0
 

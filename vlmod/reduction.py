@@ -6,8 +6,11 @@ enters the language model (VisionZip's "dominant" tokens; FastV-like methods ran
 LLM instead, which is vlmod's training-free `attention` router). Unlike MoD, a dropped token is
 gone for every layer; unlike frame subsampling, every frame keeps its most attended tokens.
 
-The score of a patch is the mean over heads of the softmax attention the CLS query pays it in
-the tower layer that produces the features the projector reads (`vision_feature_layer`),
+The score of a patch is the mean over heads of the softmax attention the CLS query pays it
+(`scoring="cls"`, VisionZip's rule for CLIP) or the mean over every query of the attention it
+receives (`scoring="mean"`, VisionZip's rule for towers without a CLS; also the choice where the
+CLS was never trained, as in a tower trained from scratch under LLaVA, which reads only the
+patches) in the tower layer that produces the features the projector reads (`vision_feature_layer`),
 computed with that layer's own norm and projections (`vlmod.routing.attention`); pooled tokens
 (LLaVA-NeXT-Video's frame pooling) sum the scores of the patches they pool. Selection is the
 engine's: text is protected, the top-k vision tokens of each row are kept in their original
@@ -32,6 +35,7 @@ from vlmod.routing.attention import AttentionQK, received_attention
 from vlmod.routing.selection import TokenLayout, select_tokens
 
 IGNORE_INDEX = -100
+SCORINGS = ("cls", "mean")
 
 
 def _check(model: nn.Module) -> None:
@@ -57,13 +61,16 @@ class PreLLMReduction(nn.Module):
     `generate` (greedy decoding from the kept tokens; returns prompt ids + new ids like
     `model.generate`)."""
 
-    def __init__(self, model: nn.Module, keep: float):
+    def __init__(self, model: nn.Module, keep: float, scoring: str = "cls"):
         super().__init__()
         _check(model)
         if not 0.0 < keep <= 1.0:
             raise ValueError(f"keep must be in (0, 1] (the fraction of vision tokens kept), got {keep}")
+        if scoring not in SCORINGS:
+            raise ValueError(f"scoring must be one of {', '.join(SCORINGS)}, got {scoring!r}")
         self.model = model
         self.keep = float(keep)
+        self.scoring = scoring
 
     @property
     def config(self) -> Any:
@@ -107,7 +114,7 @@ class PreLLMReduction(nn.Module):
         if isinstance(features, (list, tuple)):
             features = torch.cat([f.reshape(-1, f.shape[-1]) for f in features])
         features = features.reshape(-1, features.shape[-1])
-        scores = self._cls_attention(block, captured[-1])  # [frames, patches]
+        scores = self._patch_attention(block, captured[-1], self.scoring == "cls")  # [frames, patches]
         if pool is not None:
             side = int(scores.shape[1] ** 0.5)
             grid = scores.view(-1, 1, side, side)
@@ -127,9 +134,9 @@ class PreLLMReduction(nn.Module):
         return blocks[max(index - 1, 0)]
 
     @staticmethod
-    def _cls_attention(block: nn.Module, x: Tensor) -> Tensor:
-        """[frames, patches]: the CLS query's attention over the patches in `block`, whose input
-        is `x` [frames, 1 + patches, D]."""
+    def _patch_attention(block: nn.Module, x: Tensor, cls_only: bool) -> Tensor:
+        """[frames, patches]: the attention each patch receives in `block` (whose input is `x`
+        [frames, 1 + patches, D]) from the CLS query (`cls_only`) or on average from every query."""
         attn = block.self_attn
         h = block.layer_norm1(x)
         frames, length = x.shape[:2]
@@ -138,10 +145,11 @@ class PreLLMReduction(nn.Module):
         def split(t: Tensor) -> Tensor:
             return t.view(frames, t.shape[1], heads, -1).transpose(1, 2)
 
-        qk = AttentionQK(q=split(attn.q_proj(h[:, :1])), k=split(attn.k_proj(h)), scale=attn.scale, causal=False)
-        cls = torch.zeros(frames, 1, dtype=torch.long, device=x.device)
+        queries = h[:, :1] if cls_only else h
+        qk = AttentionQK(q=split(attn.q_proj(queries)), k=split(attn.k_proj(h)), scale=attn.scale, causal=False)
+        index = torch.arange(queries.shape[1], device=x.device).expand(frames, -1)
         keys = torch.ones(frames, length, dtype=torch.bool, device=x.device)
-        return received_attention(qk, cls, None, keys)[:, 1:]
+        return received_attention(qk, index, None, keys)[:, 1:]
 
     # -- the reduced sequence -----------------------------------------------------------------
 
@@ -230,9 +238,9 @@ class PreLLMReduction(nn.Module):
 
 
 def reduction_flops(reducer: PreLLMReduction, inputs: Mapping[str, Any], trace: Any | None = None) -> dict[str, float]:
-    """Prefill FLOPs per sequence of the reduced model: the dense tower plus the scoring (one CLS
-    query and every key of one tower layer, and their attention), and the language model on the
-    kept tokens (`vlmod.flops`)."""
+    """Prefill FLOPs per sequence of the reduced model: the dense tower plus the scoring (the CLS
+    query, or every query, and every key of one tower layer, and their attention), and the
+    language model on the kept tokens (`vlmod.flops`)."""
     from vlmod.flops import (
         DecoderDims,
         cls_attention_flops,
@@ -247,7 +255,9 @@ def reduction_flops(reducer: PreLLMReduction, inputs: Mapping[str, Any], trace: 
     batch = inputs["input_ids"].shape[0]
     frames = vision_images(inputs)
     dims = hf_vision_dims(cfg.vision_config)
-    vision = ((vit_flops(dims) + cls_attention_flops(dims)) * frames + frame_pooling_flops(reducer.model, inputs)) / batch
+    queries = 1 if reducer.scoring == "cls" else dims.num_tokens
+    scoring = cls_attention_flops(dims, queries)
+    vision = ((vit_flops(dims) + scoring) * frames + frame_pooling_flops(reducer.model, inputs)) / batch
     n_vision, kept = reducer.vision_tokens(inputs)
     tokens = float((inputs["attention_mask"].sum(1) - n_vision + kept).double().mean())
     language = language_prefill_flops(DecoderDims.from_config(cfg.text_config), tokens)
