@@ -453,7 +453,7 @@ def add_eval_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
 
 def add_recipe_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
     """`vlmod recipe`: the synthetic recipe end to end (the README's Results)."""
-    from vlmod.recipe import add_recipe_arguments
+    from vlmod.recipe_cli import add_recipe_arguments
 
     return _module_command(
         subparsers, "recipe", add_recipe_arguments,
