@@ -401,6 +401,9 @@ def test_the_gap_to_dense_is_paired_per_question() -> None:
     assert lines[0].startswith("/3 (3.00x fewer LM FLOPs measured): MoD 89.0% (-1.0 points vs dense, 95% interval")
     assert "met (at 3.00x), but the 95% interval" in lines[-1] and "within this eval set's noise" in lines[-1]
     assert "stays within it" in verdicts([dense, same])[-1]
+    # A point whose interval stays within the goal wins over a more reducing one inside the noise.
+    further = _row("learned", "0" + "1" * 89 + "0" * 10, 3.5, 3.6)
+    assert "met (at 3.00x); the 95% interval" in verdicts([dense, same, further])[-1]
     assert verdicts([dense, swapped])[-1].endswith("NOT met")
 
 

@@ -220,7 +220,9 @@ def verdicts(rows: Sequence[Mapping[str, Any]], goal: float = 3.0, within: float
     ok = [r for r in reached if r["accuracy"] >= dense["accuracy"] - within]
     verdict = "NOT met"
     if ok:
-        best = max(ok, key=lambda r: r["language_reduction"])
+        # The most reducing point whose interval stays within the goal, else the most reducing one.
+        proven = [r for r in ok if (g := paired_gap(r, dense)) is not None and g[1] >= -100 * within]
+        best = max(proven or ok, key=lambda r: r["language_reduction"])
         verdict = f"met (at {best['language_reduction']:.2f}x)"
         gap = paired_gap(best, dense)
         if gap is not None:  # is the point estimate more than this eval set's noise?
