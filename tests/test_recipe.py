@@ -12,8 +12,8 @@ import pytest
 import vlmod
 from vlmod.recipe import RecipeSettings, run_recipe
 
-METHODS = {"image": {"learned", "random", "stride", "attention", "reduce"},
-           "video": {"learned", "random", "stride", "attention", "reduce", "frames"}}
+METHODS = {"image": {"learned", "random", "stride", "attention", "reduce", "reduce-mean"},
+           "video": {"learned", "random", "stride", "attention", "reduce", "reduce-mean", "frames"}}
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +121,7 @@ def test_reuse_trained_only_evaluates_again(image_run: tuple, tmp_path: Path) ->
     out, result = image_run
     shutil.copytree(out, tmp_path / "run")
     mod_log = (tmp_path / "run" / "mod" / "train_log.json").read_bytes()
-    settings = dataclasses.replace(result.settings, reduction_scoring="cls")  # an eval-side change
+    settings = dataclasses.replace(result.settings, routers=("random",))  # an eval-side change
     again = run_recipe(tmp_path / "run", settings, progress=False, log=lambda _: None, reuse_dense=True,
                        reuse_trained=True)
     assert (tmp_path / "run" / "mod" / "train_log.json").read_bytes() == mod_log  # not trained again
@@ -129,7 +129,8 @@ def test_reuse_trained_only_evaluates_again(image_run: tuple, tmp_path: Path) ->
     before = [r for r in json.loads((out / "results.json").read_text())["results"] if r["method"] == "learned"]
     after = [r for r in json.loads((tmp_path / "run" / "results.json").read_text())["results"] if r["method"] == "learned"]
     assert [r["correct"] for r in after] == [r["correct"] for r in before]
-    assert all("cls attention" in r["setting"] for r in again.rows if r["method"] == "reduce")
+    methods = {r["method"] for r in again.rows}
+    assert methods >= {"random", "reduce", "reduce-mean"} and "stride" not in methods
     with pytest.raises(InputError, match="max_steps"):
         run_recipe(tmp_path / "run", dataclasses.replace(settings, mod_steps=3), progress=False, log=lambda _: None,
                    reuse_dense=True, reuse_trained=True)

@@ -30,7 +30,8 @@ METHOD_LABELS = {
     "random": "MoD weights, random router",
     "stride": "MoD weights, stride router",
     "attention": "dense weights, attention router (training-free, FastV-like)",
-    "reduce": "pre-LLM reduction (VisionZip-like, training-free)",
+    "reduce": "pre-LLM reduction, CLS attention (VisionZip-like, training-free)",
+    "reduce-mean": "pre-LLM reduction, every query's attention (VisionZip without a CLS)",
     "frames": "frame subsampling (dense)",
     "learned+vision": "MoD learned + vision tower MoD (attention router)",
     "dense-control": "dense, fine-tuned again as the MoD stage (control)",
@@ -258,7 +259,7 @@ def plot_frontier(rows: Sequence[Mapping[str, Any]], path: str | Path, title: st
 
     fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=120)
     dense = next(r for r in rows if r["method"] == "dense")
-    markers = dict(zip(METHOD_LABELS, "*os^vDPX", strict=False))
+    markers = dict(zip(METHOD_LABELS, "*os^vDdPXh", strict=False))
     for method in METHOD_LABELS:
         points = sorted((r for r in rows if r["method"] == method), key=lambda r: r["gflops"]["language"])
         if not points or method in ("dense", "dense-control"):

@@ -85,9 +85,6 @@ class RecipeSettings:
     router_lr: float = 5e-3
     routers: tuple[str, ...] = ("random", "stride", "attention")
     vision_capacity: float = 0.5
-    # Pre-LLM reduction ranks patches by the attention every query pays them: these towers are
-    # trained from scratch under LLaVA, which reads only the patches, so their CLS is untrained.
-    reduction_scoring: str = "mean"
     distill: bool = True
     dense_control: bool = False
     eval_batch_size: int = 32
@@ -121,8 +118,6 @@ class RecipeSettings:
             raise InputError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
         if not self.targets or any(t <= 1.0 for t in self.targets):
             raise InputError(f"targets are LM FLOPs reductions > 1 (e.g. 2 for half the FLOPs), got {self.targets}")
-        if self.reduction_scoring not in SCORINGS:
-            raise InputError(f"reduction_scoring must be one of {', '.join(SCORINGS)}, got {self.reduction_scoring!r}")
         if self.video_pool not in VIDEO_POOLS:
             raise InputError(f"video_pool must be one of {', '.join(VIDEO_POOLS)}, got {self.video_pool!r}")
         self.targets = tuple(sorted(float(t) for t in self.targets))
@@ -434,10 +429,14 @@ def run_recipe(out: str | Path, settings: RecipeSettings | None = None, progress
             report = stages.run("eval attention", lambda n=f"attention /{t:g}": evaluated(attention_model, n, baseline=True))
             result.rows.append(frontier.row("attention", t, f"capacity {p['attention_capacity']:.3f}", report,
                                             len(layers) * scoring))
-        reducer = PreLLMReduction(dense_model, p["keep"], s.reduction_scoring)
-        report = stages.run("eval reduce", lambda r=reducer, n=f"reduce /{t:g}": evaluated(r, n, baseline=True, flops_fn=reduction_flops))
-        report.processed_fraction = {"kept": p["keep"]}
-        result.rows.append(frontier.row("reduce", t, f"keep {p['keep']:.3f}, {s.reduction_scoring} attention", report))
+        # Both of VisionZip's rankings: these towers are trained from scratch under LLaVA, which reads
+        # only the patches, so nothing trains their CLS; which ranking is the stronger varies by model.
+        for rank_by, method in zip(SCORINGS, ("reduce", "reduce-mean"), strict=True):
+            reducer = PreLLMReduction(dense_model, p["keep"], rank_by)
+            report = stages.run("eval reduce", lambda r=reducer, n=f"{method} /{t:g}": evaluated(
+                r, n, baseline=True, flops_fn=reduction_flops))
+            report.processed_fraction = {"kept": p["keep"]}
+            result.rows.append(frontier.row(method, t, f"keep {p['keep']:.3f}", report))
         if video:
             f = p["frames"]
             report = stages.run("eval frames", lambda f=f: evaluated(dense_model, f"frames {f}", baseline=True, num_frames=f))

@@ -32,8 +32,6 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
                                             "each step's draw (or a step count if >= 1)"),
     ("mod_layers", str, "converted language layers: 'all' (every layer but 0) or 'arank:N'"),
     ("schedule", str, "per-layer capacity schedule: none or cosine"),
-    ("reduction_scoring", str, "what ranks the patches pre-LLM reduction keeps: cls (the CLS query's "
-                               "attention, VisionZip on CLIP) or mean (every query's)"),
     ("seed", int, "seed of data, init, training and evaluation"),
 )
 
