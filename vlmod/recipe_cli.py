@@ -65,7 +65,8 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                              "MoD stage's time again)")
     parser.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--reuse-dense", action="store_true",
-                        help="keep the dense model of an earlier run in --out (same settings); rerun the MoD stages")
+                        help="keep the dense model of an earlier run in --out (same settings); rerun the MoD stages "
+                             "(default: train it)")
     parser.add_argument("--reuse-trained", action="store_true",
                         help="with --reuse-dense: keep the MoD fine-tune and the control of that run too (same "
                              "settings) and only evaluate again, e.g. after a baseline changed (default: train them)")
