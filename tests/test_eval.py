@@ -107,6 +107,15 @@ def test_cli_compare_writes_json(workdir: Path, tmp_path: Path, capsys: pytest.C
     assert [r["name"] for r in reports] == ["mod", "dense"] and reports[0]["num_samples"] == 4
 
 
+def test_two_model_folders_of_one_name_get_labels_that_tell_them_apart() -> None:
+    from vlmod.eval import folder_labels
+
+    assert folder_labels(["runs/a/dense/model", "runs/b/mod/model"]) == ["dense/model", "mod/model"]
+    assert folder_labels(["runs/x/model", "runs/y/model", "z"]) == ["x/model", "y/model", "z"]
+    assert folder_labels(["mod", "dense"]) == ["mod", "dense"]
+    assert folder_labels(["same", "same"]) == ["same", "same"]
+
+
 def test_cli_capacity_moves_the_compute_point_and_compare_gives_the_paired_gap(
     workdir: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:

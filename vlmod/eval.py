@@ -306,6 +306,17 @@ def _prefill_trace(model: nn.Module, inputs: dict[str, Tensor]) -> Any:
     return trace
 
 
+def folder_labels(paths: list[str]) -> list[str]:
+    """Table labels for checkpoint paths: each folder's name, or as many trailing path parts as
+    tell them apart (two `.../model` folders become `dense/model` and `mod/model`)."""
+    parts = [Path(p).parts or (p,) for p in paths]
+    for depth in range(1, max(len(x) for x in parts) + 1):
+        labels = ["/".join(x[-depth:]) for x in parts]
+        if len(set(labels)) == len(labels):
+            return labels
+    return list(paths)
+
+
 def format_comparison(reports: Sequence[EvalReport]) -> str:
     """Models side by side: accuracy (overall, by type), answer loss, compute, latency."""
     types = sorted({t for r in reports for t in r.accuracy_by_type})
@@ -403,9 +414,8 @@ def run_evaluate(args: argparse.Namespace) -> int:
             check_checkpoint(path, converted=args.capacity is not None and path == args.model)
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     reports = []
-    for path, label in ((args.model, args.name), (args.compare, args.compare_name)):
-        if path is None:
-            continue
+    runs = [(path, label) for path, label in ((args.model, args.name), (args.compare, args.compare_name)) if path]
+    for (path, label), default in zip(runs, folder_labels([path for path, _ in runs]), strict=True):
         model, processor = load_model(path, args.device, args.dtype)
         if args.capacity is not None and path == args.model:
             from vlmod.routing.api import set_capacity
@@ -413,7 +423,7 @@ def run_evaluate(args: argparse.Namespace) -> int:
             set_capacity(model, args.capacity)
         reports.append(evaluate(
             model, processor, args.data, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
-            limit=args.limit, progress=not args.no_progress, name=label or Path(path).name or path,
+            limit=args.limit, progress=not args.no_progress, name=label or default,
             image_root=args.image_root, strict=args.strict,
         ))
         del model
