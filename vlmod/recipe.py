@@ -165,14 +165,20 @@ _DENSE_SETTINGS = (
 )
 
 
+def _changed(saved: dict[str, Any], now: Any, keys: Any) -> list[str]:
+    """The `keys` of dataclass `now` whose value differs from the `saved` record's (a key the
+    record lacks, added since that run, counts as its default)."""
+    defaults = {f.name: f.default for f in fields(now)}
+    return [k for k in keys if saved.get(k, defaults.get(k)) != getattr(now, k)]
+
+
 def _check_reusable(out: Path, s: RecipeSettings) -> dict[str, float]:
     """The stage times of an earlier run's dense model in `out`, if trained with these settings."""
     record = out / "dense" / "recipe.json"
     if not (out / "dense" / "model" / "model.safetensors").is_file() or not record.is_file():
         raise InputError(f"--reuse-dense: {out} holds no finished dense stage (dense/model and dense/recipe.json)")
     before = json.loads(record.read_text())
-    defaults = {f.name: f.default for f in fields(RecipeSettings)}  # settings added since that run
-    changed = [k for k in _DENSE_SETTINGS if before["settings"].get(k, defaults[k]) != getattr(s, k)]
+    changed = _changed(before["settings"], s, _DENSE_SETTINGS)
     if changed:
         raise InputError(f"--reuse-dense: the dense model in {out} was trained with other {', '.join(changed)}")
     return before["stage_seconds"]
@@ -189,9 +195,8 @@ def _reusable_finetune(out: Path, cfg: Any) -> tuple[Path, float]:
     if not (run / "model" / "model.safetensors").is_file() or not log.is_file() or not results.is_file():
         raise InputError(f"--reuse-trained: {out} holds no finished {run.name} stage and results.json; "
                          "run the recipe without it once")
-    saved, now = json.loads(log.read_text())["config"], asdict(cfg)
-    defaults = {f.name: f.default for f in fields(type(cfg))}
-    changed = [k for k in now if k not in _RUN_PATHS and saved.get(k, defaults.get(k)) != now[k]]
+    changed = _changed(json.loads(log.read_text())["config"], cfg,
+                       [f.name for f in fields(cfg) if f.name not in _RUN_PATHS])
     if changed:
         raise InputError(f"--reuse-trained: the {run.name} stage in {out} was trained with other {', '.join(changed)}")
     stage = {"mod": "train MoD", "dense-control": CONTROL_STAGES[0]}[run.name]
