@@ -56,6 +56,9 @@ def test_recipe_writes_every_method_at_every_compute_point(task: str, image_run:
     assert tower["gflops"]["vision"] < dense["gflops"]["vision"]
     if task == "video":
         assert "train on images" in saved["stage_seconds"]  # the video model starts from the image stage
+        # ... whose tower first learned the images' patches (vlmod.tower_pretrain), then went on learning.
+        assert "pretrain tower" in saved["stage_seconds"]
+        assert json.loads((out / "image" / "train_log.json").read_text())["config"]["model"] == str(out / "tower" / "model")
         for name in ("train", "video_train"):  # its dense stages see every object named (captions)
             records = json.loads((out / "data" / f"{name}.json").read_text())
             assert sum(r["meta"]["type"] == "caption" for r in records) == len(records) // 2

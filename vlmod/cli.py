@@ -474,6 +474,20 @@ def add_tiny_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
     )
 
 
+def add_pretrain_tower_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
+    """`vlmod pretrain-tower`: a tiny LLaVA's tower learns the synthetic scenes' patches first."""
+    from vlmod.tower_pretrain import add_pretrain_tower_arguments
+
+    p = _module_command(
+        subparsers, "pretrain-tower", add_pretrain_tower_arguments,
+        help="pretrain a tiny LLaVA's vision tower on what each patch of the synthetic images shows",
+        description="Train the vision tower to tell each patch's object (shape and colour, or background) on "
+        "`vlmod data synthetic` images, as LLaVA starts from a pretrained CLIP; saves the whole LLaVA.",
+    )
+    p.set_defaults(model_flags=MODEL_FLAG)
+    return p
+
+
 # ----------------------------------------------------------------------------- demo
 
 
@@ -549,6 +563,7 @@ def add_audit_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
 COMMANDS: list[Callable[[SubParsers], argparse.ArgumentParser]] = [
     add_convert_parser, add_rank_parser, add_bench_parser, add_finetune_parser, add_eval_parser,
     add_audit_parser, add_demo_parser, add_recipe_parser, add_data_parser, add_tiny_parser,
+    add_pretrain_tower_parser,
 ]
 
 

@@ -5,8 +5,9 @@ LLaVA-NeXT-Video on synthetic clips through the real video path (the processor's
 `pixel_values_videos`, video tokens routable), 8 frames a clip, with questions most of which
 need several frames (`vlmod.data.synthetic_video`).
 
-1. generate the data; 2. train the model dense from scratch (tower included; video: first a
-LLaVA of the same sizes on image questions, whose weights the video model starts from); 3. rank its
+1. generate the data; 2. train the model dense from scratch (tower included; `tower_steps`: the
+tower first learns what each image patch shows, `vlmod.tower_pretrain`; video: first a LLaVA of
+the same sizes on image questions, whose weights the video model starts from); 3. rank its
 language layers (ARank, reported; the converted layers are every layer but layer 0 unless
 `mod_layers="arank:N"`); 4. solve the compute points: for each target reduction of language-model
 prefill FLOPs, the MoD capacity, the kept fraction of a pre-LLM reduction and (video) the
@@ -66,6 +67,7 @@ class RecipeSettings:
     vision_width: int = 128
     vision_layers: int = 2
     patch_size: int = 4
+    tower_steps: int = 0
     dense_steps: int = 2500
     image_steps: int = 0
     num_train_images: int = 0
@@ -100,7 +102,8 @@ class RecipeSettings:
         base: dict[str, Any] = {"task": task}
         if task == "video":
             base.update(num_train=8000, num_val=2520, baseline_samples=420, batch_size=16, eval_batch_size=16, captions=True,
-                        image_steps=2000, num_train_images=8000, dense_steps=2000, mod_steps=1500, mod_lr=1e-3)
+                        image_steps=2000, num_train_images=8000, dense_steps=2000, mod_steps=1500, mod_lr=1e-3,
+                        tower_steps=1500)
         if quick:
             base.update(
                 num_train=32 if task == "image" else 28, num_val=8 if task == "image" else 14, width=64, layers=4,
@@ -109,7 +112,7 @@ class RecipeSettings:
             )
             base.update(baseline_samples=6 if task == "image" else 5)
             if task == "video":
-                base.update(image_steps=2, num_train_images=16)
+                base.update(image_steps=2, num_train_images=16, tower_steps=2)
         base.update(overrides)
         return cls(**base)
 
@@ -118,6 +121,8 @@ class RecipeSettings:
             raise InputError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
         if not self.targets or any(t <= 1.0 for t in self.targets):
             raise InputError(f"targets are LM FLOPs reductions > 1 (e.g. 2 for half the FLOPs), got {self.targets}")
+        if self.task == "video" and self.tower_steps and not (self.num_train_images or self.image_model):
+            raise InputError("tower pretraining learns on the image set: give num_train_images > 0 or tower_steps 0")
         if self.video_pool not in VIDEO_POOLS:
             raise InputError(f"video_pool must be one of {', '.join(VIDEO_POOLS)}, got {self.video_pool!r}")
         self.targets = tuple(sorted(float(t) for t in self.targets))
@@ -160,7 +165,7 @@ class RecipeResult:
 
 _DENSE_SETTINGS = (
     "task", "num_train", "image_size", "frames", "video_pool", "distractors", "captions", "width", "layers", "heads", "kv_heads",
-    "vision_width", "vision_layers", "patch_size", "dense_steps", "dense_lr", "weight_decay", "batch_size", "seed",
+    "vision_width", "vision_layers", "patch_size", "tower_steps", "dense_steps", "dense_lr", "weight_decay", "batch_size", "seed",
     "image_steps", "num_train_images", "image_batch_size", "image_model",
 )
 
@@ -257,6 +262,7 @@ def run_recipe(out: str | Path, settings: RecipeSettings | None = None, progress
     from vlmod.rank_cli import rank_checkpoint
     from vlmod.reduction import PreLLMReduction, reduction_flops
     from vlmod.routing.api import apply_mod, set_capacity, set_router
+    from vlmod.tower_pretrain import pretrain_tower
     from vlmod.train import TrainConfig, train
 
     s = settings or RecipeSettings()
@@ -306,14 +312,20 @@ def run_recipe(out: str | Path, settings: RecipeSettings | None = None, progress
             return model_dir
         return train(cfg, progress=progress).model_dir
 
-    def train_on_images() -> Path:
+    def pretrain(first: Path) -> Path:
+        """The tower learns what each patch of the training images shows before any language
+        training, as LLaVA's starts from a pretrained CLIP (`vlmod.tower_pretrain`)."""
+        pretrain_tower(first, data / "train.json", out / "tower", steps=s.tower_steps, seed=s.seed, progress=progress)
+        return out / "tower" / "model"
+
+    def train_on_images(first: Path) -> Path:
         """The image stage: a LLaVA of the same sizes learns to see on the image questions, then
         the video model starts from its weights (as LLaVA-NeXT-Video starts from LLaVA-NeXT):
         from scratch, the video model never learned colour, shape or position (39.8% after 3000 steps)."""
         if s.image_model:  # an image LLaVA of the same sizes trained elsewhere (the image recipe's dense model)
             images = Path(s.image_model).expanduser()
         else:
-            images = finetune(out / "image-init", "image", data / "train.json", s.image_batch_size, trainable="full",
+            images = finetune(first, "image", data / "train.json", s.image_batch_size, trainable="full",
                               train_vision_tower=True, lr=s.dense_lr, max_steps=s.image_steps,
                               weight_decay=s.weight_decay)
         model = load_pretrained(out / "init")
@@ -332,7 +344,10 @@ def run_recipe(out: str | Path, settings: RecipeSettings | None = None, progress
     else:
         stages.run("data", make_data)
         stages.run("init", init)
-        start = stages.run("train on images", train_on_images) if s.image_steps or s.image_model else out / "init"
+        first = out / ("image-init" if video and s.image_steps else "init")
+        if s.tower_steps and not s.image_model:
+            first = stages.run("pretrain tower", lambda: pretrain(first))
+        start = stages.run("train on images", lambda: train_on_images(first)) if s.image_steps or s.image_model else first
         stages.run("train dense", lambda: finetune(
             start, "dense", trainable="full", train_vision_tower=True, lr=s.dense_lr, max_steps=s.dense_steps,
             weight_decay=s.weight_decay,

@@ -21,6 +21,8 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("width", positive_int, "language model width"),
     ("layers", positive_int, "language model layers"),
     ("vision_width", positive_int, "vision tower width"),
+    ("tower_steps", int_at_least(0), "steps of vision tower pretraining on what each training image's patches show "
+                                     "(shape and colour of their object; 0: none)"),
     ("dense_steps", positive_int, "steps of dense training from scratch"),
     ("image_steps", int_at_least(0), "steps of the image stage before video training (0: none)"),
     ("dense_lr", float, "learning rate of dense training"),
