@@ -57,7 +57,7 @@ def test_recipe_writes_every_method_at_every_compute_point(task: str, image_run:
     if task == "video":
         assert "train on images" in saved["stage_seconds"]  # the video model starts from the image stage
         # ... whose tower first learned the images' patches (vlmod.tower_pretrain), then went on learning.
-        assert "pretrain tower" in saved["stage_seconds"]
+        assert "pretrain tower" in saved["stage_seconds"] and (out / "tower" / "log.json").is_file()
         assert json.loads((out / "image" / "train_log.json").read_text())["config"]["model"] == str(out / "tower" / "model")
         for name in ("train", "video_train"):  # its dense stages see every object named (captions)
             records = json.loads((out / "data" / f"{name}.json").read_text())
@@ -172,7 +172,9 @@ def test_synthetic_finetune_configs_match_the_recipe(task: str, prefix: str) -> 
     assert (mod.lr, mod.router_lr, mod.max_steps, mod.batch_size) == (s.mod_lr, s.router_lr, s.mod_steps, s.batch_size)
     assert mod.trainable == "language" and not mod.train_vision_tower
     if task == "video":
-        images = TrainConfig.from_dict(read_yaml_mapping(root / "synthetic-video-images.yaml", TrainError))
+        first = root / "synthetic-video-images.yaml"  # the first training stage starts from the pretrained tower
+        images = TrainConfig.from_dict(read_yaml_mapping(first, TrainError))
+        assert images.model.endswith("tower/model") and f"--steps {s.tower_steps}" in first.read_text()
         assert (images.lr, images.max_steps, images.batch_size) == (s.dense_lr, s.image_steps, s.image_batch_size)
         assert dense.model.endswith("init-images") and images.output_dir.endswith("image")
 
