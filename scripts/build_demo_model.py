@@ -6,7 +6,8 @@ its dense original, copied into vlmod/demo/assets/{model,dense} (what `vlmod dem
     python scripts/build_demo_model.py                             # runs the video recipe first
     python scripts/build_demo_model.py --from runs/synthetic-video # reuses a finished recipe run
 
-The MoD model is saved at the recipe's main compute point (3x fewer language-model prefill
+The dense original is the model the MoD one was converted from (the refined dense model where
+the recipe refines it). The MoD model is saved at the recipe's main compute point (3x fewer language-model prefill
 FLOPs). It was trained on clips, where only video tokens are routable; the installed copy routes
 image tokens too (its `routable` gains "image"), so an uploaded picture shows its routing as well.
 
@@ -23,6 +24,7 @@ from pathlib import Path
 from vlmod.argtypes import HelpFormatter
 from vlmod.demo.app import DEFAULT_DENSE_DIR, DEFAULT_MODEL_DIR
 from vlmod.recipe import RecipeSettings, run_recipe
+from vlmod.recipe_reuse import dense_model_dir
 
 KEEP = {"config.json", "generation_config.json", "model.safetensors", "processor_config.json",
         "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"}
@@ -62,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.run:
         run_recipe(run, RecipeSettings.for_task(args.task))
     install(run / "mod" / "model", DEFAULT_MODEL_DIR, routable=("image", "video"))
-    install(run / "dense" / "model", DEFAULT_DENSE_DIR)
+    install(dense_model_dir(run), DEFAULT_DENSE_DIR)
     size = sum(f.stat().st_size for d in (DEFAULT_MODEL_DIR, DEFAULT_DENSE_DIR) for f in d.iterdir())
     print(f"installed the demo model ({size / 2**20:.1f} MiB) into {DEFAULT_MODEL_DIR.parent}")
     return 0

@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 import vlmod
 from vlmod.recipe import RecipeSettings, run_recipe
@@ -22,16 +24,17 @@ def image_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
     return out, run_recipe(out, RecipeSettings.for_task("image", quick=True), progress=False, log=lambda _: None)
 
 
+@pytest.fixture(scope="module")
+def video_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
+    out = tmp_path_factory.mktemp("video-recipe")
+    # The video run also trains the control: the dense model fine-tuned again as the MoD stage.
+    return out, run_recipe(out, RecipeSettings.for_task("video", quick=True, dense_control=True), progress=False,
+                           log=lambda _: None)
+
+
 @pytest.mark.parametrize("task", ["image", "video"])
-def test_recipe_writes_every_method_at_every_compute_point(task: str, image_run: tuple,
-                                                           tmp_path: Path) -> None:
-    if task == "image":
-        out, result = image_run
-    else:
-        out = tmp_path
-        # The video run also trains the control: the dense model fine-tuned again as the MoD stage.
-        result = run_recipe(out, RecipeSettings.for_task("video", quick=True, dense_control=True), progress=False,
-                            log=lambda _: None)
+def test_recipe_writes_every_method_at_every_compute_point(task: str, image_run: tuple, video_run: tuple) -> None:
+    out, result = image_run if task == "image" else video_run
     s = result.settings
     saved = json.loads((out / "results.json").read_text())
     rows = saved["results"]
@@ -71,6 +74,19 @@ def test_recipe_writes_every_method_at_every_compute_point(task: str, image_run:
         assert vlmod.mod_layers(vlmod.load_pretrained(out / "dense-control" / "model")) == {}
         assert "control, the dense model fine-tuned again" in (out / "results.md").read_text()
         assert "min without the control" in (out / "results.md").read_text()
+        # The second dense stage: tower frozen, distilling the first dense model; everything after
+        # it (ARank, conversion, the MoD stage's teacher, the control, the dense row) uses the refined model.
+        first, refined = out / "dense" / "model", out / "dense-refined" / "model"
+        refine = json.loads((out / "dense-refined" / "train_log.json").read_text())["config"]
+        assert (refine["model"], refine["distill_from"], refine["trainable"], refine["train_vision_tower"],
+                refine["max_steps"]) == (str(first), str(first), "language", False, s.refine_steps)
+        assert mod["distill_from"] == str(refined) and "refine dense" in saved["stage_seconds"]
+        assert control["model"] == str(refined)
+        weights = {run: load_file(out / run / "model.safetensors") for run in ("dense/model", "dense-refined/model", "converted")}
+        head = next(k for k in weights["converted"] if "lm_head" in k)
+        assert torch.equal(weights["converted"][head], weights["dense-refined/model"][head])
+        assert not torch.equal(weights["dense/model"][head], weights["dense-refined/model"][head])
+        assert f"| dense | - | refined +{s.refine_steps} steps |" in (out / "results.md").read_text()
     table = (out / "results.md").read_text()
     assert s.baseline_samples < s.num_val and f"the other methods the first {s.baseline_samples} " in table
     assert "| dense |" in table and "goal (3x fewer" in table and "whole recipe" in table
@@ -114,6 +130,27 @@ def test_reuse_dense_with_another_validation_size_keeps_the_training_set(image_r
     assert (tmp_path / "run" / "data" / "train.json").read_bytes() == train  # what the dense model learned from
     assert len(json.loads((tmp_path / "run" / "data" / "val.json").read_text())) == 12
     assert again.row("dense")["samples"] == 12 and "data" in again.stages
+
+
+def test_reuse_dense_refines_again_only_when_the_refine_settings_changed(video_run: tuple, tmp_path: Path) -> None:
+    import shutil
+
+    out, result = video_run
+    run = tmp_path / "run"
+    shutil.copytree(out, run)
+    first = (run / "dense" / "train_log.json").read_bytes()
+    settings = dataclasses.replace(result.settings, refine_steps=3, dense_control=False, targets=(3.0,))
+    again = run_recipe(run, settings, progress=False, log=lambda _: None, reuse_dense=True)
+    assert (run / "dense" / "train_log.json").read_bytes() == first  # the first dense model is kept
+    assert json.loads((run / "dense-refined" / "train_log.json").read_text())["config"]["max_steps"] == 3
+    assert again.stages["train dense"] == result.stages["train dense"] and "refine dense" in again.stages
+    refined = (run / "dense-refined" / "train_log.json").read_bytes()
+    logs: list[str] = []
+    third = run_recipe(run, settings, progress=False, log=logs.append, reuse_dense=True)
+    assert (run / "dense-refined" / "train_log.json").read_bytes() == refined  # now kept as well
+    assert third.stages["refine dense"] == again.stages["refine dense"]
+    assert any(line.startswith("== reusing the refined dense model") for line in logs)
+    assert third.row("dense")["correct"] == again.row("dense")["correct"]
 
 
 def test_reuse_trained_only_evaluates_again(image_run: tuple, tmp_path: Path) -> None:
@@ -177,6 +214,11 @@ def test_synthetic_finetune_configs_match_the_recipe(task: str, prefix: str) -> 
         assert images.model.endswith("tower/model") and f"--steps {s.tower_steps}" in first.read_text()
         assert (images.lr, images.max_steps, images.batch_size) == (s.dense_lr, s.image_steps, s.image_batch_size)
         assert dense.model.endswith("init-images") and images.output_dir.endswith("image")
+        refine = TrainConfig.from_dict(read_yaml_mapping(root / "synthetic-video-refine.yaml", TrainError))
+        assert (refine.lr, refine.max_steps, refine.batch_size) == (s.dense_lr, s.refine_steps, s.batch_size)
+        assert refine.trainable == "language" and not refine.train_vision_tower
+        assert refine.model == refine.distill_from == dense.output_dir + "/model"
+        assert mod.distill_from == refine.output_dir + "/model"
 
 
 def test_the_video_model_starts_from_every_weight_of_the_image_stage() -> None:

@@ -24,6 +24,8 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("tower_steps", int_at_least(0), "steps of vision tower pretraining on what each training image's patches show "
                                      "(shape and colour of their object; 0: none)"),
     ("dense_steps", positive_int, "steps of dense training from scratch"),
+    ("refine_steps", int_at_least(0), "steps of the second dense stage: tower frozen, distilled from the first "
+                                      "dense model, which later stages then replace by the refined one (0: none)"),
     ("image_steps", int_at_least(0), "steps of the image stage before video training (0: none)"),
     ("dense_lr", float, "learning rate of dense training"),
     ("batch_size", positive_int, "training batch size"),
