@@ -135,6 +135,8 @@ def test_reuse_dense_with_another_validation_size_keeps_the_training_set(image_r
 def test_reuse_dense_refines_again_only_when_the_refine_settings_changed(video_run: tuple, tmp_path: Path) -> None:
     import shutil
 
+    from vlmod.errors import InputError
+
     out, result = video_run
     run = tmp_path / "run"
     shutil.copytree(out, run)
@@ -151,6 +153,14 @@ def test_reuse_dense_refines_again_only_when_the_refine_settings_changed(video_r
     assert third.stages["refine dense"] == again.stages["refine dense"]
     assert any(line.startswith("== reusing the refined dense model") for line in logs)
     assert third.row("dense")["correct"] == again.row("dense")["correct"]
+    # The fine-tunes learned from the refined model: refined otherwise, they cannot be kept ...
+    with pytest.raises(InputError, match="refined with other settings"):
+        run_recipe(run, dataclasses.replace(settings, refine_steps=4), progress=False, log=lambda _: None,
+                   reuse_dense=True, reuse_trained=True)
+    # ... nor once they learned from the first dense model (a run without refinement in between).
+    run_recipe(run, dataclasses.replace(settings, refine_steps=0), progress=False, log=lambda _: None, reuse_dense=True)
+    with pytest.raises(InputError, match="distill_from"):
+        run_recipe(run, settings, progress=False, log=lambda _: None, reuse_dense=True, reuse_trained=True)
 
 
 def test_reuse_trained_only_evaluates_again(image_run: tuple, tmp_path: Path) -> None:

@@ -319,6 +319,9 @@ def run_recipe(out: str | Path, settings: RecipeSettings | None = None, progress
             stages.run("data", make_data)  # another validation size; the same seed writes the same training set
         if s.refine_steps:
             refined = reusable_refined(out, s)
+            if refined is None and reuse_trained:
+                raise InputError(f"--reuse-trained: the refined dense model in {out} is missing or was refined with "
+                                 "other settings, so the fine-tunes from it must train again: drop --reuse-trained")
             if refined is None:
                 stages.run("refine dense", refine)
                 record(REFINED_RUN)

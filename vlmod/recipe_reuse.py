@@ -65,6 +65,14 @@ def dense_model_dir(out: Path) -> Path:
     return out / (REFINED_RUN if refined else DENSE_RUN) / "model"
 
 
+def _run_of(path: str | None) -> str | None:
+    """The recipe folder a path names: `dense` for OUT/dense/model, `converted` for OUT/converted."""
+    if path is None:
+        return None
+    p = Path(path)
+    return p.parent.name if p.name == "model" else p.name
+
+
 def reusable_finetune(out: Path, cfg: Any) -> tuple[Path, float]:
     """(model, training seconds) of an earlier run's fine-tune into `cfg.output_dir`, if it was
     trained with these settings (`--reuse-trained`): the recipe then only evaluates again."""
@@ -73,8 +81,11 @@ def reusable_finetune(out: Path, cfg: Any) -> tuple[Path, float]:
     if not (run / "model" / "model.safetensors").is_file() or not log.is_file() or not results.is_file():
         raise InputError(f"--reuse-trained: {out} holds no finished {run.name} stage and results.json; "
                          "run the recipe without it once")
-    changed = changed_settings(json.loads(log.read_text())["config"], cfg,
-                               [f.name for f in fields(cfg) if f.name not in _RUN_PATHS])
+    saved = json.loads(log.read_text())["config"]
+    changed = changed_settings(saved, cfg, [f.name for f in fields(cfg) if f.name not in _RUN_PATHS])
+    # Paths follow --out (the folder may have moved), but which run they name must not change:
+    # a fine-tune from the first dense model is no use once the recipe starts from the refined one.
+    changed += [k for k in ("model", "distill_from") if _run_of(saved.get(k)) != _run_of(getattr(cfg, k))]
     if changed:
         raise InputError(f"--reuse-trained: the {run.name} stage in {out} was trained with other {', '.join(changed)}")
     stage = {"mod": "train MoD", "dense-control": CONTROL_STAGES[0]}[run.name]
