@@ -310,6 +310,10 @@ def run_recipe(out: str | Path, settings: RecipeSettings | None = None, progress
     def record(run: str) -> None:
         write_json(out / run / "recipe.json", {"settings": s.to_dict(), "stage_seconds": dict(result.stages)})
 
+    def refine_and_record() -> None:
+        stages.run("refine dense", refine)
+        record(REFINED_RUN)  # after the stage, so its record holds the refinement's own time
+
     if reuse_trained and not reuse_dense:
         raise InputError("--reuse-trained goes with --reuse-dense (the fine-tunes start from that dense model)")
     if reuse_dense:
@@ -323,8 +327,7 @@ def run_recipe(out: str | Path, settings: RecipeSettings | None = None, progress
                 raise InputError(f"--reuse-trained: the refined dense model in {out} is missing or was refined with "
                                  "other settings, so the fine-tunes from it must train again: drop --reuse-trained")
             if refined is None:
-                stages.run("refine dense", refine)
-                record(REFINED_RUN)
+                refine_and_record()
             else:
                 result.stages["refine dense"] = refined["refine dense"]
                 log(f"== reusing the refined dense model in {dense} (refined in {refined['refine dense']:.0f} s)")
@@ -341,8 +344,7 @@ def run_recipe(out: str | Path, settings: RecipeSettings | None = None, progress
         ))
         record(DENSE_RUN)
         if s.refine_steps:
-            stages.run("refine dense", refine)
-            record(REFINED_RUN)
+            refine_and_record()
 
     processor = AutoProcessor.from_pretrained(dense)
     dims = DecoderDims.from_config(load_pretrained(dense).config.text_config)
