@@ -21,7 +21,7 @@ from vlmod.bench import (
     peak_memory_bytes,
     signed_percent,
 )
-from vlmod.bench.generation import prompt_counts
+from vlmod.bench.generation import decode_weight_bytes, prompt_counts
 from vlmod.cli import main
 from vlmod.errors import InputError
 
@@ -74,6 +74,13 @@ def test_bench_llava_measures_a_converted_checkpoint_as_saved(converted_checkpoi
     assert lockstep["speedup"] == pytest.approx(statistics.median(pairs), rel=1e-3)
     assert math.isfinite(lockstep["speedup"]) and lockstep["speedup"] > 0
     assert "decode in lockstep (dense and MoD one step each in turn, 8 pairs)" in printed
+    # Decode's prediction: the bytes a step reads, the same weights (+ the router) and a smaller cache.
+    dense_read, mod_read = (result[n]["decode_read_bytes"] for n in ("dense", "mod"))
+    kv_saved = result["dense"]["kv_cache_bytes"] - result["mod"]["kv_cache_bytes"]
+    assert kv_saved > 0 and dense_read - mod_read == kv_saved - 4 * (1 + 64)  # tiny width 64: the router's bytes
+    assert result["predicted_decode_speedup"] == pytest.approx(dense_read / mod_read)
+    assert result["decode_efficiency"] == pytest.approx(lockstep["speedup"] / result["predicted_decode_speedup"])
+    assert "predicted from the bytes a step reads (weights + KV cache)" in printed
     assert result["mod"]["flops"] < result["dense"]["flops"]
     assert set(result["contention"]) == {"prefill", "decode"}
 
@@ -143,6 +150,21 @@ def _fake_generation_result(kv_dense: int, kv_mod: int) -> dict:
         "decode_speedup": 1.0, "kv_cache_reduction": 1 - kv_mod / kv_dense, "peak_memory_change": None,
         "contention": {},
     }
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_decode_reads_the_language_weights_once_and_not_the_vision_side(tied: bool):
+    model, _ = tiny.build("llava")
+    if tied:
+        model.lm_head.weight = model.model.language_model.embed_tokens.weight
+    params = dict(model.named_parameters(remove_duplicate=False))
+    expected = sum(
+        p.numel() * p.element_size() for n, p in params.items()
+        if n.startswith("model.language_model.") and "embed_tokens" not in n
+    ) + model.lm_head.weight.numel() * 4
+    assert decode_weight_bytes(model) == expected
+    vlmod.apply_mod(model, vlmod.MoDConfig(capacity=0.5))
+    assert decode_weight_bytes(model) == expected + 4 * (model.config.text_config.hidden_size + 1)
 
 
 def test_report_of_a_larger_mod_cache_says_plus():

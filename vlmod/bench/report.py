@@ -122,17 +122,24 @@ def generation_summary(result: Mapping[str, Any], label: str = "predicted prefil
         f"decode (per step, inside generate): {_speedup(result['decode_speedup'])}  "
         f"KV cache {signed_percent(-result['kv_cache_reduction'])}  "
         f"peak memory of generate {'-' if peak is None else signed_percent(peak)}"
-        + _lockstep(result.get("decode_lockstep"))
+        + _lockstep(result)
     )
 
 
-def _lockstep(lockstep: Mapping[str, Any] | None) -> str:
+def _lockstep(result: Mapping[str, Any]) -> str:
+    lockstep = result.get("decode_lockstep")
     if not lockstep or "speedup" not in lockstep:
         return ""
+    predicted = result.get("predicted_decode_speedup")
+    against = "" if predicted is None else (
+        f"\n  predicted from the bytes a step reads (weights + KV cache) {predicted:.3f}x  "
+        f"efficiency {result['decode_efficiency']:.3f}"
+    )
     return (
         f"\ndecode in lockstep (dense and MoD one step each in turn, {lockstep['steps']} pairs): "
         f"{_speedup(lockstep['speedup'])} (dense {lockstep['dense_step_s'] * 1e3:.2f} ms, "
         f"MoD {lockstep['mod_step_s'] * 1e3:.2f} ms a step; pair ratios spread {100 * lockstep['spread']:.1f}%)"
+        + against
     )
 
 

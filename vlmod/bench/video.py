@@ -260,13 +260,14 @@ def _time_video(
         result[name] = {
             "frames_per_s": batch * num_frames / latency,
             "end_to_end_s": latency,
-            **model_figures(prefill[name].median(prefill_judged.clean_repeats), decode[name], kv[name], peaks[name],
-                            flops[name]),
+            **model_figures(models[name], prefill[name].median(prefill_judged.clean_repeats), decode[name], kv[name],
+                            peaks[name], flops[name]),
             "time_split": split,
             "end_to_end_samples_s": end_to_end[name].wall_s,
             "prefill_samples_s": prefill[name].wall_s,
         }
     video_tokens, prompt_tokens = prompt_counts(inputs, dense.config.video_token_id)
+    result["decode_lockstep"] = lockstep
     result.update(speedups(result, flops, kv))
     result.update(
         frames=num_frames,
@@ -274,7 +275,6 @@ def _time_video(
         prompt_tokens=prompt_tokens,
         speedup=result["mod"]["frames_per_s"] / result["dense"]["frames_per_s"],
         decode_speedup_paired=paired,
-        decode_lockstep=lockstep,
         decode_only_frames_per_s=num_frames / decode_video.median(),
         decode_only_s=decode_video.median(),
         contended=prefill_judged.contended or e2e_judged.contended,

@@ -261,6 +261,8 @@ class DecoderAdapter:
     def run(
         self, upstream: Callable, x_sel: Tensor, sel: Selection, args: tuple, kwargs: dict, layer_idx: int
     ) -> Tensor:
+        if sel.index is None and self.batch.layout.every_token and not self.own_keys:
+            return self._run_decode_step(upstream, x_sel, args, kwargs, layer_idx)
         args, kwargs = list(args), dict(kwargs)
         if args:
             args[0] = x_sel
@@ -283,6 +285,27 @@ class DecoderAdapter:
             mask = self._keys_then_mask(layer_idx, cache, query_pos, sel.valid, x_sel.dtype)
         else:
             mask = self._slot_mask(layer_idx, cache, query_pos, sel.valid, x_sel.dtype)
+        self.mask_arg.set(args, kwargs, mask)
+        return upstream(*args, **kwargs)
+
+    def _run_decode_step(self, upstream: Callable, x: Tensor, args: tuple, kwargs: dict, layer_idx: int) -> Tensor:
+        """A decode step of generate (one new token per row, which runs): the states, positions and
+        RoPE are the block's own, and unless the cache holds filler slots (a batch whose rows
+        processed different numbers of tokens) the one query sees every cached key, so no mask.
+        Only the key-slot record grows, by a reference. This path runs per MoD layer and token, so
+        it does no more than that: every operation here costs as much as a small tensor op."""
+        cache = self.cache_arg.get(args, kwargs)
+        slots = self.cache_slots.get(layer_idx)
+        if slots is None or slots.with_filler or cache.get_seq_length(layer_idx) != slots.length:
+            # Filler slots to mask, or a cache vlmod did not fill in step: the general path (which
+            # also says what went wrong).
+            mask = self._slot_mask(layer_idx, cache, self.batch.positions, None, x.dtype)
+        else:
+            slots.append(self.batch.positions, None)
+            mask = None
+        if mask is None and self.mask_arg.get(args, kwargs) is None:
+            return upstream(*args, **kwargs)
+        args, kwargs = list(args), dict(kwargs)
         self.mask_arg.set(args, kwargs, mask)
         return upstream(*args, **kwargs)
 
