@@ -17,7 +17,7 @@ from PIL import Image
 
 import vlmod
 from vlmod import tiny
-from vlmod.routing.router import Router, gate_offset, gated_residual
+from vlmod.routing.router import Router, gate_offset, gated_decode_step, gated_residual
 
 DTYPES = [torch.bfloat16, torch.float16]
 GENERATE = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
@@ -219,3 +219,21 @@ def test_gate_offset_is_float32_and_keeps_small_gates(kind, alpha, dtype):
     assert ((out.double() - ref).abs() <= ulp).all(), (out, ref)
     # g == 1 (a fresh router) gives y bit for bit, in the dtype of y
     assert torch.equal(gated_residual(x, y, torch.zeros(1, 1, dtype=dtype), kind, alpha), y)
+
+
+@pytest.mark.parametrize("kind", ["tanh", "sigmoid", "none"])
+def test_decode_step_gate_is_the_general_gate(kind, dtype):
+    """The decode step's gate (float32 + tanh in four ops; anything else through the helpers) gives
+    the numbers of router.logits + gated_residual, bit for bit, also under autocast."""
+    torch.manual_seed(0)
+    router = Router(16).to(dtype)
+    torch.nn.init.normal_(router.weight)
+    x, y = torch.randn(3, 1, 16).to(dtype), torch.randn(3, 1, 16).to(dtype)
+    logits = router.logits(x)
+    out, step_logits = gated_decode_step(router, x, y, kind, 0.2)
+    assert torch.equal(step_logits, logits) and step_logits.shape == (3, 1, 1)
+    assert torch.equal(out, gated_residual(x, y, logits, kind, 0.2))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out_autocast, logits_autocast = gated_decode_step(router, x, y, kind, 0.2)
+    assert logits_autocast.dtype == torch.float32 and torch.equal(logits_autocast, logits)
+    assert torch.equal(out_autocast, out)

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from vlmod.config import MoDConfig
 from vlmod.routing.attention import attention_keys
-from vlmod.routing.router import Router, gated_residual, selection_keys
+from vlmod.routing.router import Router, gated_decode_step, gated_residual, selection_keys
 from vlmod.routing.selection import Selection, TokenLayout, select_tokens
 
 ROUTER_ATTR = "mod_router"
@@ -124,8 +124,7 @@ class LayerRouting:
             # cold, and each run of small ops pays that once (a decode step is mostly small ops).
             sel = Selection(index=None, valid=None, length=x.shape[1])
             y = adapter.run(upstream, x, sel, args, kwargs, self.layer_idx)
-            logits = router.logits(x)  # [B, 1, 1]
-            out = gated_residual(x, y, logits, cfg.gate, cfg.gate_alpha)
+            out, logits = gated_decode_step(router, x, y, cfg.gate, cfg.gate_alpha)  # logits [B, 1, 1]
             if part.recording:
                 part.record(self.layer_idx, sel, logits.squeeze(-1), layout)
             return adapter.output(out, args, kwargs)

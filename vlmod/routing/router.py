@@ -96,6 +96,25 @@ def gated_residual(x: Tensor, y: Tensor, scores: Tensor, kind: str, alpha: float
     return torch.addcmul(y, y - x, offset)
 
 
+def gated_decode_step(router: Router, x: Tensor, y: Tensor, kind: str, alpha: float) -> tuple[Tensor, Tensor]:
+    """(`gated_residual(x, y, logits, kind, alpha)`, logits = `router.logits(x)`) for the one token
+    per row of a decode step: the same numbers, with float32 states and the tanh gate in four
+    tensor ops and no helper calls. It runs per MoD layer and token, right after the block's
+    matmuls have evicted the interpreter's working set, where each Python step costs several
+    times its warm cost (at the video preset, 8 frames, the helpers' path cost 0.3 ms more per
+    52 ms step, 0.5%)."""
+    params = router._parameters  # what Module.__getattr__ finds, without the miss before it
+    weight, bias = params.get("weight"), params.get("bias")  # (FSDP may hold them elsewhere)
+    if (
+        weight is None or bias is None or kind != "tanh" or weight.dtype is not torch.float32
+        or x.dtype is not torch.float32 or y.dtype is not torch.float32 or torch.is_autocast_enabled(x.device.type)
+    ):
+        logits = router.logits(x)
+        return gated_residual(x, y, logits, kind, alpha), logits
+    logits = F.linear(x, weight, bias)
+    return torch.lerp(x, y, torch.add(1.0, torch.tanh(logits), alpha=alpha)), logits
+
+
 def selection_keys(
     kind: str, scores: Tensor, layout: TokenLayout, capacity: float, generator: torch.Generator | None
 ) -> Tensor:
