@@ -85,6 +85,17 @@ def test_bench_llava_measures_a_converted_checkpoint_as_saved(converted_checkpoi
     assert set(result["contention"]) == {"prefill", "decode"}
 
 
+def test_bench_decode_bound_adds_the_routing_bypassed_copy_to_the_lockstep(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    argv = ["bench", "llava", "--preset", "tiny", "--new-tokens", "3", "--decode-bound", "--json", str(out), *FAST]
+    assert main(argv) == 0
+    lockstep = json.loads(out.read_text())["decode_lockstep"]
+    assert set(lockstep["samples_s"]) == {"dense", "mod", "bypassed"} and len(lockstep["samples_s"]["bypassed"]) == 6
+    pairs = [d / b for d, b in zip(*(lockstep["samples_s"][n] for n in ("dense", "bypassed")), strict=True)]
+    assert lockstep["bypassed_speedup"] == pytest.approx(statistics.median(pairs), rel=1e-3)
+    assert "with MoD's routing bypassed" in capsys.readouterr().out
+
+
 def test_bench_llava_refuses_to_reconvert_a_converted_checkpoint(converted_checkpoint, capsys):
     argv = ["bench", "llava", "--model", str(converted_checkpoint), "--capacity", "0.5", *FAST]
     assert main(argv) == 2

@@ -114,3 +114,26 @@ def test_decode_with_filler_slots_sdpa_matches_eager(family: str):
     assert any(valid is not None for _, valid in slots.values()), "the batch left no filler slot to mask"
     assert torch.equal(a.sequences, b.sequences)
     assert torch.allclose(torch.stack(a.logits), torch.stack(b.logits), atol=1e-4, rtol=1e-4)
+
+
+def test_routing_bypassed_decodes_over_the_same_caches_without_the_gate(llava):
+    """The decode bound of `bench --decode-bound`: a fresh conversion (gate 1) decodes exactly like
+    MoD with its routing bypassed, over caches of MoD's size; with a trained router only the decode
+    steps differ (the bypass skips the gate there, and only there)."""
+    from vlmod.bench.generation import kv_cache_bytes, routing_bypassed
+
+    model, inputs = llava
+    mod = vlmod.apply_mod(copy.deepcopy(model), vlmod.MoDConfig(capacity=0.5))
+    kwargs = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0, output_logits=True,
+                  return_dict_in_generate=True)
+    with torch.inference_mode():
+        a = mod.generate(**inputs, **kwargs)
+        b = routing_bypassed(mod).generate(**inputs, **kwargs)
+    assert torch.equal(a.sequences, b.sequences)
+    assert kv_cache_bytes(a.past_key_values) == kv_cache_bytes(b.past_key_values)
+    assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits, strict=True))
+    torch.nn.init.normal_(mod.model.language_model.mod_router.weight, std=0.5)
+    with torch.inference_mode():
+        a = mod.generate(**inputs, **kwargs)
+        b = routing_bypassed(mod).generate(**inputs, **kwargs)
+    assert torch.equal(a.logits[0], b.logits[0]) and not torch.equal(a.logits[1], b.logits[1])

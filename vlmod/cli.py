@@ -175,6 +175,12 @@ def _add_cache_argument(p: argparse.ArgumentParser) -> None:
         help="KV cache both models generate with: preallocated (vlmod.preallocated_cache, written in place) "
         f"or dynamic (transformers' DynamicCache, concatenated every step) (default: {DEFAULT_CACHE})",
     )
+    p.add_argument(
+        "--decode-bound", action="store_true",
+        help="also decode in lockstep with MoD's routing bypassed (a copy of the MoD model whose layers call "
+        "their blocks directly over the same small caches): what MoD could decode at if routing cost "
+        "nothing (default: off; holds a third copy of the weights)",
+    )
 
 
 def add_bench_llava_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
@@ -213,7 +219,7 @@ def run_bench_llava(args: argparse.Namespace) -> int:
     result = bench_llava(
         model=args.model, preset=args.preset, capacity=args.capacity, layers=args.layers, batch=args.batch,
         new_tokens=args.new_tokens, warmup=args.warmup, repeats=args.repeats, threads=args.threads,
-        progress=not args.no_progress, cache=args.cache,
+        progress=not args.no_progress, cache=args.cache, decode_bound=args.decode_bound,
     )
     print(format_generation_result(result))
     if args.json:
@@ -263,6 +269,7 @@ def run_bench_video(args: argparse.Namespace) -> int:
         model=args.model, preset=args.preset, video=args.video, frames=args.frames, batch=args.batch,
         capacity=args.capacity, layers=args.layers, new_tokens=args.new_tokens, warmup=args.warmup,
         repeats=args.repeats, threads=args.threads, progress=not args.no_progress, cache=args.cache,
+        decode_bound=args.decode_bound,
     )
     print(format_video_result(result))
     if args.json:

@@ -20,6 +20,7 @@ from vlmod.bench.generation import (
     generation_footprint,
     kv_cache_bytes,
     lockstep_decode,
+    routing_bypassed,
 )
 from vlmod.bench.inputs import parse_layers, prompt_text, synthetic_clip, synthetic_image
 from vlmod.bench.report import (
@@ -70,6 +71,7 @@ __all__ = [
     "kv_cache_bytes",
     "load_average",
     "lockstep_decode",
+    "routing_bypassed",
     "parse_layers",
     "peak_memory_bytes",
     "prompt_text",

@@ -222,11 +222,40 @@ def decode_figures(
     return figures, judged, paired
 
 
+def routing_bypassed(mod: nn.Module) -> nn.Module:
+    """A copy of `mod` whose MoD layers, in a decode step, call their block directly: no router,
+    gate or key-slot bookkeeping, over KV caches a routed prefill filled (as small as MoD's). Not a
+    model to use (its decode ignores the gate): a bound on MoD decode, which tells what routing
+    costs a step from what the smaller caches allow."""
+    from vlmod.routing.layer import LAYER_ATTR
+
+    bypassed = copy.deepcopy(mod)
+    for module in bypassed.modules():
+        routing = module.__dict__.get(LAYER_ATTR)
+        if routing is not None:
+            routing.forward = _bypass_decode(routing)
+    return bypassed
+
+
+def _bypass_decode(routing: Any) -> Any:
+    routed = routing.forward
+    part = routing.part
+
+    def forward(upstream: Any, args: tuple, kwargs: dict) -> Any:
+        x = part.adapter.hidden_states(args, kwargs)
+        if part.adapter.layout(part, x, args, kwargs).every_token:
+            return upstream(*args, **kwargs)
+        return routed(upstream, args, kwargs)
+
+    return forward
+
+
 def lockstep_decode(
     models: Mapping[str, nn.Module], inputs: Mapping[str, Any], steps: int, cache: str = DEFAULT_CACHE, warmup: int = 2
 ) -> dict[str, Any]:
     """Decode steps of dense and MoD in lockstep: after one prefill each, one step of each model in
-    turn (the order alternating), each on its own greedy tokens, `warmup` steps untimed.
+    turn (the order alternating), each on its own greedy tokens, `warmup` steps untimed. A model
+    named "bypassed" (`routing_bypassed`) gets its own speedup over dense, `bypassed_speedup`.
 
     Why: timed inside `generate`, the two models' steps come from different calls, and on a
     shared CPU a slow phase can last a whole call (steps of one model 66 ms in one call, 78 in
@@ -257,8 +286,22 @@ def lockstep_decode(
         pairs = [d / m for d, m in zip(times["dense"], times["mod"], strict=True)]
         result["speedup"] = statistics.median(pairs)
         result["spread"] = spread(pairs)
+    if {"dense", "bypassed"} <= set(names):
+        result["bypassed_speedup"] = statistics.median(
+            d / b for d, b in zip(times["dense"], times["bypassed"], strict=True)
+        )
     result["samples_s"] = {n: [round(t, 6) for t in times[n]] for n in names}
     return result
+
+
+def timed_lockstep(
+    models: Mapping[str, nn.Module], inputs: Mapping[str, Any], steps: int, cache: str, decode_bound: bool
+) -> dict[str, Any]:
+    """`lockstep_decode` of dense and MoD, and with `decode_bound` of MoD's routing-bypassed copy too
+    (dropped right after: it holds a third copy of the weights)."""
+    if not decode_bound:
+        return lockstep_decode(models, inputs, steps, cache)
+    return lockstep_decode({**models, "bypassed": routing_bypassed(models["mod"])}, inputs, steps, cache)
 
 
 def bench_generation(
@@ -271,10 +314,12 @@ def bench_generation(
     progress: bool = True,
     pad_token_id: int = 0,
     cache: str = DEFAULT_CACHE,
+    decode_bound: bool = False,
 ) -> dict[str, Any]:
     """Prefill latency, decode per step, KV-cache bytes, peak memory of generate and FLOPs of a
     dense LLaVA model and its MoD conversion on the same processed inputs (runs interleaved), both
-    with a KV cache of kind `cache` (`CACHES`)."""
+    with a KV cache of kind `cache` (`CACHES`); `decode_bound` adds `routing_bypassed(mod)` to the
+    lockstep decode."""
     from transformers import LogitsProcessorList
 
     batch = inputs["input_ids"].shape[0]
@@ -299,7 +344,7 @@ def bench_generation(
     )
     prefill_judged = contention(prefill)
     decode, decode_judged, paired = decode_figures(clocks, timings, repeats, batch)
-    lockstep = lockstep_decode(models, inputs, new_tokens * repeats, cache) if new_tokens > 1 else None
+    lockstep = timed_lockstep(models, inputs, new_tokens * repeats, cache, decode_bound) if new_tokens > 1 else None
     peaks = {
         n: peak_memory_bytes(lambda m=m: m.generate(**inputs, **gen, **cache_kwargs(m, cache, new_tokens)))
         for n, m in models.items()
@@ -400,13 +445,15 @@ def bench_llava(
     threads: int | None = None,
     progress: bool = True,
     cache: str = DEFAULT_CACHE,
+    decode_bound: bool = False,
 ) -> dict[str, Any]:
     """Dense vs MoD generation of a LLaVA model on synthetic images and a prompt.
 
     capacity / layers: how to convert a preset or a plain checkpoint (None: 0.5, every other
     layer). A checkpoint saved converted is measured with its own MoD layers (see `build_pair`).
     cache: the KV cache both models generate with (`CACHES`). threads: torch's intra-op threads
-    while the benchmark runs (the caller's count is restored afterwards).
+    while the benchmark runs (the caller's count is restored afterwards). decode_bound: also decode
+    in lockstep with MoD's routing bypassed (`routing_bypassed`).
     """
     try:
         if capacity is not None or layers is not None:
@@ -431,7 +478,7 @@ def bench_llava(
     )
     tokenizer = getattr(processor, "tokenizer", processor)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    result = bench_generation(dense, mod, inputs, new_tokens, warmup, repeats, progress, pad, cache)
+    result = bench_generation(dense, mod, inputs, new_tokens, warmup, repeats, progress, pad, cache, decode_bound)
     image_tokens, prompt_tokens = prompt_counts(inputs, dense.config.image_token_id)
     result.update(
         benchmark="llava",

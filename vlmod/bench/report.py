@@ -135,6 +135,12 @@ def _lockstep(result: Mapping[str, Any]) -> str:
         f"\n  predicted from the bytes a step reads (weights + KV cache) {predicted:.3f}x  "
         f"efficiency {result['decode_efficiency']:.3f}"
     )
+    if "bypassed_speedup" in lockstep:
+        against += (
+            f"\n  with MoD's routing bypassed (same caches; no router, gate or bookkeeping) "
+            f"{_speedup(lockstep['bypassed_speedup'])} ({lockstep['bypassed_step_s'] * 1e3:.2f} ms a step): "
+            "what routing-free MoD would decode at"
+        )
     return (
         f"\ndecode in lockstep (dense and MoD one step each in turn, {lockstep['steps']} pairs): "
         f"{_speedup(lockstep['speedup'])} (dense {lockstep['dense_step_s'] * 1e3:.2f} ms, "

@@ -27,10 +27,10 @@ from vlmod.bench.generation import (
     check_cache,
     decode_figures,
     generation_footprint,
-    lockstep_decode,
     model_figures,
     prompt_counts,
     speedups,
+    timed_lockstep,
 )
 from vlmod.bench.inputs import parse_layers, prompt_text, synthetic_clip
 from vlmod.bench.timing import (
@@ -111,6 +111,7 @@ def bench_video(
     threads: int | None = None,
     progress: bool = True,
     cache: str = DEFAULT_CACHE,
+    decode_bound: bool = False,
 ) -> dict[str, Any]:
     """Dense vs MoD video question answering, end to end.
 
@@ -125,6 +126,7 @@ def bench_video(
         own MoD layers. video: a file, or None for a generated clip (`synthetic_clip`).
     cache: the KV cache both models generate with (`vlmod.bench.generation.CACHES`). threads: torch's
     intra-op threads while the benchmark runs (the caller's count is restored afterwards).
+    decode_bound: also decode in lockstep with MoD's routing bypassed (`routing_bypassed`).
     """
     try:
         if capacity is not None or layers is not None:
@@ -160,7 +162,8 @@ def bench_video(
         if getattr(processor, "video_processor", None) is None:
             raise InputError(f"the processor of {model} has no video processor: it cannot prepare video inputs")
         result = _time_video(
-            dense, mod, processor, path, clip, words, batch, new_tokens, warmup, repeats, progress, cache
+            dense, mod, processor, path, clip, words, batch, new_tokens, warmup, repeats, progress, cache,
+            decode_bound,
         )
     result.update(
         benchmark="video",
@@ -195,6 +198,7 @@ def _time_video(
     repeats: int,
     progress: bool,
     cache: str,
+    decode_bound: bool = False,
 ) -> dict[str, Any]:
     """The timed part of `bench_video` (models built, clip checked)."""
     from transformers import LogitsProcessorList
@@ -246,7 +250,7 @@ def _time_video(
     )
     prefill_judged = contention(prefill)
     decode, e2e_judged, paired = decode_figures(clocks, end_to_end, repeats, batch)
-    lockstep = lockstep_decode(models, inputs, new_tokens * repeats, cache) if new_tokens > 1 else None
+    lockstep = timed_lockstep(models, inputs, new_tokens * repeats, cache, decode_bound) if new_tokens > 1 else None
     used = e2e_judged.clean_repeats
     peaks = {
         n: peak_memory_bytes(lambda m=m: m.generate(**inputs, **gen, **cache_kwargs(m, cache, new_tokens)))
