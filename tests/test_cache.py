@@ -15,7 +15,7 @@ from transformers import DynamicCache
 
 import vlmod
 from vlmod import tiny
-from vlmod.cache import PreallocatedCache, PreallocatedLayer
+from vlmod.cache import PreallocatedCache, PreallocatedLayer, generate_cache
 from vlmod.plugins.calls import CACHE, output_cache
 
 NEW_TOKENS = 5
@@ -146,3 +146,42 @@ def test_a_mod_model_decodes_the_same_under_the_old_cache_name(family):
     (a_pre, a_step, a_len), (b_pre, b_step, b_len) = logits.values()
     assert a_len == b_len and min(a_len) < max(a_len)
     assert torch.equal(a_pre, b_pre) and torch.equal(a_step, b_step)
+
+
+@pytest.mark.parametrize("capacity", [None, 0.5])
+def test_beam_search_and_sampling_match_dynamic_cache(family, capacity: float | None):
+    """Beam search reorders and sampling draws over the preallocated cache as over DynamicCache
+    (the lmms-eval model generates with either, on vlmod's cache)."""
+    model, inputs = family
+    if capacity is not None:
+        model = vlmod.apply_mod(copy.deepcopy(model), vlmod.MoDConfig(capacity=capacity))
+    for extra in (dict(num_beams=3, do_sample=False), dict(do_sample=True, top_k=5)):
+        settings = {**GENERATE, **extra}
+        with torch.inference_mode():
+            torch.manual_seed(0)
+            plain = model.generate(**inputs, **settings)
+            torch.manual_seed(0)
+            ours = model.generate(**inputs, **settings, **generate_cache(model, NEW_TOKENS))
+        assert torch.equal(plain.sequences, ours.sequences), extra
+        assert torch.allclose(torch.stack(plain.logits), torch.stack(ours.logits), atol=1e-5), extra
+
+
+def test_vlmod_generation_decodes_on_the_preallocated_cache(family, monkeypatch):
+    """eval's greedy generation hands generate a preallocated cache, and answers as plain generate."""
+    from vlmod.eval import greedy_generate
+
+    model, inputs = family
+    mod = vlmod.apply_mod(copy.deepcopy(model), vlmod.MoDConfig(capacity=0.5))
+    caches = []
+    original = mod.generate
+
+    def spy(**kwargs):
+        caches.append(kwargs.get(CACHE))
+        return original(**kwargs)
+
+    monkeypatch.setattr(mod, "generate", spy)
+    with torch.inference_mode():
+        ours = greedy_generate(mod, inputs, NEW_TOKENS)
+        plain = original(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
+    assert isinstance(caches[0], PreallocatedCache)
+    assert torch.equal(ours, plain[:, inputs["input_ids"].shape[1]:])

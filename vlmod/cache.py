@@ -149,3 +149,14 @@ def preallocated_cache(model: nn.Module, max_new_tokens: int) -> PreallocatedCac
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     return PreallocatedCache(model.config, max_new_tokens)
+
+
+def generate_cache(model: nn.Module, max_new_tokens: int) -> dict[str, PreallocatedCache]:
+    """`model.generate(**inputs, max_new_tokens=N, **generate_cache(model, N))`: a fresh cache for
+    one call, under the keyword the installed transformers' `generate` takes it by. vlmod's own
+    generation (eval, the lmms-eval model, the demo) decodes this way: the same tokens as with
+    `DynamicCache`, 1.2-1.9x faster per step on CPU (README, Speed)."""
+    from vlmod.plugins.calls import CACHE
+
+    return {CACHE: preallocated_cache(model, max_new_tokens)}
+

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from vlmod.bench import format_table, generation_flops
+from vlmod.cache import generate_cache
 from vlmod.data.collate import IGNORE_INDEX, normalize_answer
 from vlmod.errors import InputError
 from vlmod.fileio import write_json
@@ -124,7 +125,7 @@ Flops = Callable[[nn.Module, dict[str, Tensor], Any], dict[str, float]]
 
 def greedy_generate(model: nn.Module, inputs: dict[str, Tensor], max_new_tokens: int) -> Tensor:
     """The new tokens of a greedy `generate` [B, T]."""
-    out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, **generate_cache(model, max_new_tokens))
     return out[:, inputs["input_ids"].shape[1]:]
 
 
@@ -248,7 +249,7 @@ def evaluate(
         if not warmed_up:
             # Untimed: kernel selection and allocator start-up would otherwise land on the first
             # batch of whichever model is evaluated first.
-            model.generate(**inputs, max_new_tokens=1, do_sample=False)
+            model.generate(**inputs, max_new_tokens=1, do_sample=False, **generate_cache(model, 1))
             warmed_up = True
         _sync(device)
         began = time.perf_counter()

@@ -31,6 +31,7 @@ from loguru import logger
 from tqdm.auto import tqdm
 
 import vlmod
+from vlmod.cache import generate_cache
 from vlmod.config import TokenType
 
 MODEL_ID = "vlmod"
@@ -223,6 +224,7 @@ class VLMod(lmms):
         if temperature > 0:
             kwargs.update(temperature=temperature, top_p=gen.get("top_p"))
         inputs = self._encode(*self._inputs(batch))
+        kwargs.update(generate_cache(self.model, kwargs["max_new_tokens"]))
         with self._trace() as trace:
             began = time.perf_counter()
             ids = self.model.generate(**inputs, **kwargs)

@@ -33,6 +33,7 @@ import torch
 from PIL import Image
 from torch import nn
 
+from vlmod.cache import generate_cache
 from vlmod.config import TokenType
 from vlmod.demo.media import Media
 
@@ -307,6 +308,7 @@ def _generate(
     device = next(model.parameters()).device
     _sync(device)
     start = time.perf_counter()
+    extra.update(generate_cache(model, max_new_tokens))
     out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad, **extra)
     _sync(device)
     seconds = time.perf_counter() - start
