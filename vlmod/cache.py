@@ -159,4 +159,3 @@ def generate_cache(model: nn.Module, max_new_tokens: int) -> dict[str, Prealloca
     from vlmod.plugins.calls import CACHE
 
     return {CACHE: preallocated_cache(model, max_new_tokens)}
-

@@ -144,7 +144,7 @@ def decode_weight_bytes(model: nn.Module) -> int:
     """Bytes of the weights one decode step reads: the language model's layers, final norm and LM
     head (MoD routers included), once per step whatever the batch. Not read: the vision side and
     the embedding table (one row per token)."""
-    lm = model.model.language_model if hasattr(model, "model") and hasattr(model.model, "language_model") else model.get_decoder()
+    lm = model.get_decoder()  # the language model of every vision-language family vlmod converts
     head = model.get_output_embeddings()
     embedding = {id(p) for p in lm.get_input_embeddings().parameters()}
     read = {id(p): p for p in (*lm.parameters(), *(head.parameters() if head is not None else ()))}
@@ -238,6 +238,7 @@ def routing_bypassed(mod: nn.Module) -> nn.Module:
 
 
 def _bypass_decode(routing: Any) -> Any:
+    """A MoD layer's forward that calls the block directly in a decode step, and routes otherwise."""
     routed = routing.forward
     part = routing.part
 

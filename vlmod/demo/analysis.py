@@ -305,10 +305,10 @@ def _generate(
     tokenizer = getattr(processor, "tokenizer", processor)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     extra = {"min_new_tokens": max_new_tokens} if exact else {}
+    extra.update(generate_cache(model, max_new_tokens))
     device = next(model.parameters()).device
     _sync(device)
     start = time.perf_counter()
-    extra.update(generate_cache(model, max_new_tokens))
     out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad, **extra)
     _sync(device)
     seconds = time.perf_counter() - start
