@@ -93,7 +93,7 @@ def test_bench_decode_bound_adds_the_routing_bypassed_copy_to_the_lockstep(tmp_p
     assert set(lockstep["samples_s"]) == {"dense", "mod", "bypassed"} and len(lockstep["samples_s"]["bypassed"]) == 6
     pairs = [d / b for d, b in zip(*(lockstep["samples_s"][n] for n in ("dense", "bypassed")), strict=True)]
     assert lockstep["bypassed_speedup"] == pytest.approx(statistics.median(pairs), rel=1e-3)
-    assert "with MoD's routing bypassed" in capsys.readouterr().out
+    assert "with MoD's router and gate bypassed (same caches and masks)" in capsys.readouterr().out
 
 
 def test_bench_llava_refuses_to_reconvert_a_converted_checkpoint(converted_checkpoint, capsys):

@@ -185,3 +185,16 @@ def test_vlmod_generation_decodes_on_the_preallocated_cache(family, monkeypatch)
         plain = original(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
     assert isinstance(caches[0], PreallocatedCache)
     assert torch.equal(ours, plain[:, inputs["input_ids"].shape[1]:])
+
+
+def test_a_checkpoint_that_names_its_cache_keeps_it(family):
+    """generate refuses a cache beside a generation config's cache_implementation: vlmod then passes none."""
+    from vlmod.eval import greedy_generate
+
+    model, inputs = family
+    model = copy.deepcopy(model)
+    assert CACHE in generate_cache(model, NEW_TOKENS)
+    model.generation_config.cache_implementation = "dynamic"
+    assert generate_cache(model, NEW_TOKENS) == {}
+    with torch.inference_mode():
+        assert greedy_generate(model, inputs, NEW_TOKENS).shape == (2, NEW_TOKENS)

@@ -116,13 +116,17 @@ def test_decode_with_filler_slots_sdpa_matches_eager(family: str):
     assert torch.allclose(torch.stack(a.logits), torch.stack(b.logits), atol=1e-4, rtol=1e-4)
 
 
-def test_routing_bypassed_decodes_over_the_same_caches_without_the_gate(llava):
+@pytest.mark.parametrize("attn, mixed", [("sdpa", False), ("sdpa", True), ("eager", True)])
+def test_routing_bypassed_decodes_over_the_same_caches_without_the_gate(attn: str, mixed: bool):
     """The decode bound of `bench --decode-bound`: a fresh conversion (gate 1) decodes exactly like
-    MoD with its routing bypassed, over caches of MoD's size; with a trained router only the decode
-    steps differ (the bypass skips the gate there, and only there)."""
+    MoD with its router and gate bypassed, over caches of MoD's size and with its masks (a padded
+    batch, eager attention); with a trained router only the decode steps differ (the bypass skips
+    the gate there, and only there)."""
     from vlmod.bench.generation import kv_cache_bytes, routing_bypassed
 
-    model, inputs = llava
+    model, processor = tiny.build("llava", attn_implementation=attn)
+    model.eval()
+    inputs = _inputs(processor, "llava", mixed=mixed)
     mod = vlmod.apply_mod(copy.deepcopy(model), vlmod.MoDConfig(capacity=0.5))
     kwargs = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0, output_logits=True,
                   return_dict_in_generate=True)

@@ -155,7 +155,10 @@ def generate_cache(model: nn.Module, max_new_tokens: int) -> dict[str, Prealloca
     """`model.generate(**inputs, max_new_tokens=N, **generate_cache(model, N))`: a fresh cache for
     one call, under the keyword the installed transformers' `generate` takes it by. vlmod's own
     generation (eval, the lmms-eval model, the demo) decodes this way: the same tokens as with
-    `DynamicCache`, 1.2-1.9x faster per step on CPU (README, Speed)."""
+    `DynamicCache`, 1.2-1.9x faster per step on CPU (README, Speed). A model whose generation
+    config names a cache implementation keeps it (nothing is passed)."""
     from vlmod.plugins.calls import CACHE
 
+    if getattr(getattr(model, "generation_config", None), "cache_implementation", None) is not None:
+        return {}  # the checkpoint names its cache, and generate refuses a second one
     return {CACHE: preallocated_cache(model, max_new_tokens)}

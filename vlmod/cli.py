@@ -177,9 +177,9 @@ def _add_cache_argument(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--decode-bound", action="store_true",
-        help="also decode in lockstep with MoD's routing bypassed (a copy of the MoD model whose layers call "
-        "their blocks directly over the same small caches): what MoD could decode at if routing cost "
-        "nothing (default: off; holds a third copy of the weights)",
+        help="also decode in lockstep with MoD's router and gate bypassed (a copy of the MoD model whose layers "
+        "run their blocks ungated over the same small caches in decode steps): what MoD could decode at if "
+        "routing cost nothing (default: off; holds a third copy of the weights; needs --new-tokens >= 2)",
     )
 
 

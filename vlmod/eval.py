@@ -249,7 +249,7 @@ def evaluate(
         if not warmed_up:
             # Untimed: kernel selection and allocator start-up would otherwise land on the first
             # batch of whichever model is evaluated first.
-            model.generate(**inputs, max_new_tokens=1, do_sample=False, **generate_cache(model, 1))
+            model.generate(**inputs, max_new_tokens=1, do_sample=False)
             warmed_up = True
         _sync(device)
         began = time.perf_counter()

@@ -223,10 +223,10 @@ def decode_figures(
 
 
 def routing_bypassed(mod: nn.Module) -> nn.Module:
-    """A copy of `mod` whose MoD layers, in a decode step, call their block directly: no router,
-    gate or key-slot bookkeeping, over KV caches a routed prefill filled (as small as MoD's). Not a
-    model to use (its decode ignores the gate): a bound on MoD decode, which tells what routing
-    costs a step from what the smaller caches allow."""
+    """A copy of `mod` whose MoD layers, in a decode step, run their block with no router and no
+    gate (the adapter's own call: its masks and key-slot records, over KV caches a routed prefill
+    filled, as small as MoD's). Not a model to use (its decode ignores the gate): a bound on MoD
+    decode, which tells what the router and gate cost a step from what the smaller caches allow."""
     from vlmod.routing.layer import LAYER_ATTR
 
     bypassed = copy.deepcopy(mod)
@@ -238,15 +238,18 @@ def routing_bypassed(mod: nn.Module) -> nn.Module:
 
 
 def _bypass_decode(routing: Any) -> Any:
-    """A MoD layer's forward that calls the block directly in a decode step, and routes otherwise."""
-    routed = routing.forward
-    part = routing.part
+    """A MoD layer's forward that runs the block ungated in a decode step, and routes otherwise."""
+    from vlmod.routing.selection import Selection
+
+    routed, part, layer_idx = routing.forward, routing.part, routing.layer_idx
 
     def forward(upstream: Any, args: tuple, kwargs: dict) -> Any:
-        x = part.adapter.hidden_states(args, kwargs)
-        if part.adapter.layout(part, x, args, kwargs).every_token:
-            return upstream(*args, **kwargs)
-        return routed(upstream, args, kwargs)
+        adapter = part.adapter
+        x = adapter.hidden_states(args, kwargs)
+        if not adapter.layout(part, x, args, kwargs).every_token:
+            return routed(upstream, args, kwargs)
+        y = adapter.run(upstream, x, Selection(index=None, valid=None, length=x.shape[1]), args, kwargs, layer_idx)
+        return adapter.output(y, args, kwargs)
 
     return forward
 
@@ -382,8 +385,8 @@ def model_figures(
 ) -> dict[str, Any]:
     """The figures of one model (dense or MoD) that every generation benchmark reports.
 
-    `decode_read_bytes`, what a decode step reads from memory (every language-model weight once,
-    and the KV cache the prefill left), is decode's prediction: at a small batch a step does a few
+    `decode_read_bytes`, what a decode step reads from memory (the language model's weights once,
+    one embedding row aside, and the KV cache the prefill left), is decode's prediction: at a small batch a step does a few
     FLOPs per byte read, so its time follows the bytes, not the FLOPs."""
     return {
         "prefill_s": prefill_s,

@@ -137,7 +137,7 @@ def _lockstep(result: Mapping[str, Any]) -> str:
     )
     if "bypassed_speedup" in lockstep:
         against += (
-            f"\n  with MoD's routing bypassed (same caches; no router, gate or bookkeeping) "
+            f"\n  with MoD's router and gate bypassed (same caches and masks) "
             f"{_speedup(lockstep['bypassed_speedup'])} ({lockstep['bypassed_step_s'] * 1e3:.2f} ms a step): "
             "what routing-free MoD would decode at"
         )
