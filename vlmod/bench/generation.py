@@ -31,6 +31,7 @@ from vlmod.bench.timing import (
     spread,
     time_interleaved,
 )
+from vlmod.cache import generate_cache
 from vlmod.errors import InputError
 from vlmod.flops import generation_flops
 from vlmod.plugins.calls import cache_name, output_cache
@@ -64,11 +65,10 @@ def check_cache(cache: str) -> None:
 
 
 def cache_kwargs(model: nn.Module, cache: str, new_tokens: int) -> dict[str, Any]:
-    """What one forward or generate call of `model` takes to run with a fresh cache of kind `cache`."""
+    """What one forward or generate call of `model` takes to run with a fresh cache of kind `cache`
+    (`vlmod.cache.generate_cache`: nothing where the checkpoint's generation config names its own)."""
     check_cache(cache)
-    if cache != "preallocated":
-        return {}
-    return {cache_name(type(model).forward): vlmod.preallocated_cache(model, new_tokens)}
+    return generate_cache(model, new_tokens) if cache == "preallocated" else {}
 
 
 def build_preset(preset: str | None, presets: Mapping[str, Mapping[str, Any]]) -> tuple[nn.Module, Any, int]:
@@ -233,25 +233,8 @@ def routing_bypassed(mod: nn.Module) -> nn.Module:
     for module in bypassed.modules():
         routing = module.__dict__.get(LAYER_ATTR)
         if routing is not None:
-            routing.forward = _bypass_decode(routing)
+            routing.ungated_decode = True
     return bypassed
-
-
-def _bypass_decode(routing: Any) -> Any:
-    """A MoD layer's forward that runs the block ungated in a decode step, and routes otherwise."""
-    from vlmod.routing.selection import Selection
-
-    routed, part, layer_idx = routing.forward, routing.part, routing.layer_idx
-
-    def forward(upstream: Any, args: tuple, kwargs: dict) -> Any:
-        adapter = part.adapter
-        x = adapter.hidden_states(args, kwargs)
-        if not adapter.layout(part, x, args, kwargs).every_token:
-            return routed(upstream, args, kwargs)
-        y = adapter.run(upstream, x, Selection(index=None, valid=None, length=x.shape[1]), args, kwargs, layer_idx)
-        return adapter.output(y, args, kwargs)
-
-    return forward
 
 
 def lockstep_decode(

@@ -112,6 +112,9 @@ class LayerRouting:
         self.part = part
         self.layer_idx = layer_idx
         self.capacity = capacity
+        # Decode steps skip the router and gate (the block's output as is): not a model to use, the
+        # bound `vlmod.bench.routing_bypassed` times MoD decode against.
+        self.ungated_decode = False
 
     def forward(self, upstream: Callable, args: tuple, kwargs: dict) -> Any:
         part, cfg, adapter = self.part, self.part.config, self.part.adapter
@@ -124,6 +127,8 @@ class LayerRouting:
             # cold, and each run of small ops pays that once (a decode step is mostly small ops).
             sel = Selection(index=None, valid=None, length=x.shape[1])
             y = adapter.run(upstream, x, sel, args, kwargs, self.layer_idx)
+            if self.ungated_decode:
+                return adapter.output(y, args, kwargs)
             out, logits = gated_decode_step(router, x, y, cfg.gate, cfg.gate_alpha)  # logits [B, 1, 1]
             if part.recording:
                 part.record(self.layer_idx, sel, logits.squeeze(-1), layout)
