@@ -154,6 +154,18 @@ class HelpFormatter(argparse.HelpFormatter):
         return super()._format_action_invocation(shown)
 
 
+def add_dtype_argument(parser: argparse.ArgumentParser | Any, default: str | None = "auto") -> argparse.Action:
+    """`--dtype`, the same for every command that loads a model: "auto" keeps the checkpoint's
+    own dtype (a bfloat16 7B stays 13.5 GB); the others cast while loading. default None lets a
+    YAML config fill it (the command's own default is still auto)."""
+    from vlmod.config import DTYPES
+
+    return parser.add_argument(
+        "--dtype", choices=DTYPES, default=default,
+        help="weights dtype: auto keeps the checkpoint's own (default: auto)",
+    )
+
+
 def option(
     parser: argparse.ArgumentParser | Any, name: str, *, aliases: tuple[str, ...] = (), **kwargs: Any
 ) -> argparse.Action:

@@ -475,7 +475,7 @@ class AuditInputError(InputError):
 
 def add_audit_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The flags of `vlmod audit` and `scripts/audit_routing.py`; sets `run=run_audit`."""
-    from vlmod.argtypes import device, option, positive_int
+    from vlmod.argtypes import add_dtype_argument, device, option, positive_int
 
     parser.add_argument("--model", required=True, help="converted checkpoint directory (vlmod convert / finetune)")
     parser.add_argument("--data", required=True, help="LLaVA-format eval JSON (e.g. the synthetic set's val.json)")
@@ -495,6 +495,7 @@ def add_audit_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument(
         "--device", type=device, default=None, help="torch device (default: cuda if available, else cpu)"
     )
+    add_dtype_argument(parser)
     parser.add_argument("--json", metavar="PATH", default=None, help="write the full report as JSON")
     parser.add_argument("--plots", metavar="DIR", default=None, help="write PNG plots (Jaccard, compute by position)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -559,10 +560,12 @@ def _run_audit(args: argparse.Namespace) -> int:
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     except RuntimeError as e:
         raise AuditInputError(f"--device {args.device}: {str(e).splitlines()[0]}") from None
-    from vlmod.hf import load_vlm
+    from vlmod.hf import load_vlm, loading_kwargs
 
     try:  # one line for a damaged / foreign checkpoint, NaN weights, a malformed vlmod section
-        model, processor = load_vlm(str(args.model), AuditInputError, "the audit supports")
+        model, processor = load_vlm(
+            str(args.model), AuditInputError, "the audit supports", **loading_kwargs(args.dtype, device)
+        )
     except (OSError, TypeError) as e:
         raise AuditInputError(f"cannot load {args.model}: {str(e).splitlines()[0]}") from None
     try:

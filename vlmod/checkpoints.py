@@ -25,6 +25,7 @@ from torch import nn
 from vlmod.errors import TrainError
 from vlmod.fileio import write_json
 from vlmod.resume import DATA_KEY, data_fingerprint, settings_diff
+from vlmod.safetensors_layout import align_folder
 
 if TYPE_CHECKING:
     from vlmod.train_config import TrainConfig
@@ -267,6 +268,7 @@ def save_model(accelerator: Any, model: nn.Module, processor: Any, out: Path) ->
 
         try:
             model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+            align_folder(tmp)  # loading maps the weights and computes what was saved, bit for bit
             processor.save_pretrained(tmp)
             short = damaged_safetensors(tmp)  # a full disk can leave a short file without an error
             if short:

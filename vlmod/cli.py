@@ -18,7 +18,16 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from vlmod.argtypes import HelpFormatter, device, non_negative_int, option, port, positive_float, positive_int
+from vlmod.argtypes import (
+    HelpFormatter,
+    add_dtype_argument,
+    device,
+    non_negative_int,
+    option,
+    port,
+    positive_float,
+    positive_int,
+)
 from vlmod.bench import (
     CACHES,
     DEFAULT_CACHE,
@@ -326,7 +335,9 @@ def add_convert_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
     p.add_argument("--capacity-schedule", choices=("cosine",), default=None, help="per-layer capacity decay")
     p.add_argument("--vision-capacity", type=_capacity, default=None, help="also convert the vision tower at this capacity")
     p.add_argument("--vision-layers", type=_layers, default=None, help="vision tower layers (default: every_other)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None, help="weights dtype (default: float32)")
+    add_dtype_argument(p, default=None)
+    p.add_argument("--max-shard-size", default=None,
+                   help="largest weights file written, as transformers' save_pretrained (default: 5GB)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     p.set_defaults(run=run_convert, model_flags=MODEL_FLAG)
     return p
@@ -357,6 +368,7 @@ def run_convert(args: argparse.Namespace) -> int:
     overrides = {
         "model": args.model, "out": args.out, "capacity": args.capacity, "capacity_schedule": args.capacity_schedule,
         "vision_capacity": args.vision_capacity, "vision_layers": args.vision_layers, "dtype": args.dtype,
+        "max_shard_size": args.max_shard_size,
         "overwrite": args.overwrite or None,
         "routable": [t.strip() for t in args.routable.split(",")] if args.routable else None,
         "router": args.router,

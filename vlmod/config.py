@@ -32,6 +32,9 @@ class TokenType(IntEnum):
             raise ValueError(f"unknown token type {name!r}; valid types: {valid}") from None
 
 
+# The names `--dtype` (and `dtype:` of a config) accept: "auto" keeps the checkpoint's own dtype,
+# as transformers 5 loads it; the others cast while loading.
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 ROUTERS = ("learned", "random", "stride", "inverted", "attention")
 GATES = ("tanh", "sigmoid", "none")
 CAPACITY_SCHEDULES = (None, "cosine")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -18,11 +19,13 @@ from tqdm.auto import tqdm
 from vlmod.argtypes import read_yaml_mapping
 from vlmod.config import MoDConfig
 from vlmod.flops import DecoderDims, language_prefill_flops
-from vlmod.hf import load_config, model_class
+from vlmod.hf import DTYPES, checkpoint_dtype, load_config, model_class, torch_dtype
 from vlmod.routing.schedule import capacity_to_k
+from vlmod.safetensors_layout import align_folder
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 REPORT = "vlmod_report.json"
+# The largest weights file written; a 7B model in bfloat16 is three files, as on the hub.
+MAX_SHARD_SIZE = "5GB"
 
 
 class ConvertError(ValueError):
@@ -42,7 +45,8 @@ class ConvertOptions:
     aux_loss: str | None = None
     vision_capacity: float | None = None
     vision_layers: str | list[int] | None = None
-    dtype: str = "float32"
+    dtype: str = "auto"
+    max_shard_size: str = MAX_SHARD_SIZE
     overwrite: bool = False
     prompt_tokens: int = 60
 
@@ -180,7 +184,8 @@ def convert(options: ConvertOptions) -> dict[str, Any]:
     out = Path(options.out).expanduser()
     _check_out(out, options.overwrite, options.model)
     if options.dtype not in DTYPES:
-        raise ConvertError(f"--dtype must be one of {sorted(DTYPES)}, got {options.dtype!r}")
+        raise ConvertError(f"--dtype must be one of {', '.join(DTYPES)}, got {options.dtype!r}")
+    _check_shard_size(options.max_shard_size)
     try:
         language = options.language_config()
         vision = options.vision_config()
@@ -196,7 +201,9 @@ def convert(options: ConvertOptions) -> dict[str, Any]:
         _check_layers(vision, config.vision_config.num_hidden_layers, "vision")
     steps = tqdm(total=4, desc="convert", unit="step")
     steps.set_postfix_str("loading")
-    model = cls.from_pretrained(options.model, dtype=DTYPES[options.dtype])
+    # The checkpoint's weights are mapped, not copied (in its own dtype unless --dtype casts):
+    # converting only adds routers, and saving streams the mapped weights to the new files.
+    model = cls.from_pretrained(options.model, dtype=torch_dtype(options.dtype))
     processor = _load_processor(options.model)
     steps.update()
     before = sum(p.numel() for p in model.parameters())
@@ -211,7 +218,8 @@ def convert(options: ConvertOptions) -> dict[str, Any]:
     report = {
         "source": options.model,
         "model_class": cls.__name__,
-        "dtype": options.dtype,
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "source_dtype": str(checkpoint_dtype(config)).removeprefix("torch."),
         "layers": {
             part: {str(i): c for (p, i), c in vlmod.mod_layers(model).items() if p == part}
             for part in ("language", "vision")
@@ -228,7 +236,8 @@ def convert(options: ConvertOptions) -> dict[str, Any]:
     except OSError as err:
         raise ConvertError(f"cannot write to {out.parent}: {err.strerror or err}") from None
     try:
-        model.save_pretrained(tmp)
+        model.save_pretrained(tmp, max_shard_size=options.max_shard_size)
+        align_folder(tmp)  # so loading maps the weights and computes what was saved, bit for bit
         if processor is not None:
             processor.save_pretrained(tmp)
         (tmp / REPORT).write_text(json.dumps(report, indent=2) + "\n")
@@ -249,6 +258,14 @@ def convert(options: ConvertOptions) -> dict[str, Any]:
     steps.update()
     steps.close()
     return report
+
+
+def _check_shard_size(size: str | int) -> None:
+    """A size save_pretrained reads: bytes, or digits with KB, MB, GB or TB (5GB, 500MB)."""
+    if isinstance(size, int) and size > 0:
+        return
+    if not re.fullmatch(r"\s*\d+(\.\d+)?\s*[KMGT]B\s*", str(size), flags=re.IGNORECASE):
+        raise ConvertError(f"--max-shard-size must be a size such as 5GB or 500MB, got {size!r}")
 
 
 def _load_processor(source: str) -> Any:

@@ -52,7 +52,7 @@ class Teacher:
     def load(cls, path: str, device: torch.device, error: type[Exception], temperature: float = 1.0) -> Teacher:
         from vlmod.hf import load_vlm
 
-        model, _ = load_vlm(path, error, "distillation supports", dtype=torch.float32)
+        model, _ = load_vlm(path, error, "distillation supports", dtype="auto")  # frozen: its own dtype
         return cls(model.to(device), temperature)
 
     def loss(self, student_logits: Tensor, batch: dict[str, Any], num_items: Tensor | float | None = None) -> Tensor:

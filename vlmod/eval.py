@@ -366,17 +366,18 @@ def check_checkpoint(path: str, converted: bool = False) -> None:
         raise EvalError(f"--capacity: {path} has no MoD layers (a dense checkpoint); convert it first or drop --capacity")
 
 
-def load_model(path: str, device: str = "cpu", dtype: str = "float32") -> tuple[nn.Module, Any]:
-    """A LLaVA checkpoint (plain or converted) and its processor, with clear errors."""
-    from vlmod.hf import load_vlm
+def load_model(path: str, device: str = "cpu", dtype: str = "auto") -> tuple[nn.Module, Any]:
+    """A LLaVA checkpoint (plain or converted) and its processor, with clear errors; in the
+    checkpoint's own dtype unless `dtype` names another, straight onto a GPU `device`."""
+    from vlmod.hf import load_vlm, loading_kwargs
 
-    model, processor = load_vlm(path, EvalError, "evaluation supports", dtype=getattr(torch, dtype))
+    model, processor = load_vlm(path, EvalError, "evaluation supports", **loading_kwargs(dtype, device))
     return model.to(device).eval(), processor
 
 
 def add_evaluate_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Flags of `scripts/evaluate.py` and `vlmod eval`."""
-    from vlmod.argtypes import device, fraction, option, positive_int
+    from vlmod.argtypes import add_dtype_argument, device, fraction, option, positive_int
 
     parser.add_argument("--model", required=True, help="checkpoint directory or hub id (dense or converted)")
     parser.add_argument("--capacity", type=fraction, default=None,
@@ -394,7 +395,7 @@ def add_evaluate_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     parser.add_argument(
         "--device", type=device, default=None, help="torch device (default: cuda if available, else cpu)"
     )
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    add_dtype_argument(parser)
     parser.add_argument("--strict", action="store_true", help="a missing or corrupt image is an error, not a skip")
     parser.add_argument("--json", help="write the reports (every sample included) to this JSON file")
     parser.add_argument("--no-progress", action="store_true")

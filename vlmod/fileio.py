@@ -9,6 +9,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from vlmod.safetensors_layout import align_folder
+
 
 def default_file_mode() -> int:
     """The mode a plain `open()` would give a new file under the current umask."""
@@ -57,6 +59,7 @@ def save_pretrained_atomic(model: Any, processor: Any, folder: str | os.PathLike
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
+    align_folder(tmp)  # loading maps the weights and computes what was saved, bit for bit
     processor.save_pretrained(tmp)
     shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)

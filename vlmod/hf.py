@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vlmod.config import MoDConfig
+from vlmod.config import DTYPES, MoDConfig
 from vlmod.errors import InputError
 
 
@@ -26,6 +26,35 @@ class CheckpointError(InputError):
     """A checkpoint that cannot be loaded as it is; the message names the file and what to do."""
 
 _CONFIG_KWARGS = ("revision", "token", "cache_dir", "local_files_only", "trust_remote_code", "subfolder")
+
+
+def torch_dtype(name: str | torch.dtype | None) -> torch.dtype | str:
+    """The `dtype=` for `from_pretrained` of a `--dtype` name: "auto" (or None) keeps the
+    checkpoint's own dtype; a ValueError names the choices otherwise."""
+    if name is None or name == "auto":
+        return "auto"
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+    return getattr(torch, name)
+
+
+def checkpoint_dtype(config: Any) -> torch.dtype:
+    """The dtype a checkpoint's weights are stored in (its config's `dtype`; float32 if unset)."""
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32
+
+
+def loading_kwargs(dtype: str | torch.dtype | None, device: str | torch.device | None = None) -> dict[str, Any]:
+    """`from_pretrained` kwargs of a command's `--dtype` and `--device`: a CUDA device is a
+    `device_map`, so the weights go straight to the GPU (no CPU copy first); CPU maps the file."""
+    kwargs: dict[str, Any] = {"dtype": torch_dtype(dtype)}
+    if device is not None and torch.device(device).type != "cpu":
+        kwargs["device_map"] = str(device)
+    return kwargs
 
 
 def part_configs(settings: dict[str, Any], source: str = "config.json") -> dict[str, MoDConfig]:
@@ -84,22 +113,6 @@ def _from_pretrained(cls: type, path: str | Path, kwargs: dict[str, Any]) -> tup
         if "unable to load weights" in str(e).lower() or "truncated" in str(e).lower():
             raise CheckpointError(f"{path}: the weights could not be read ({str(e).splitlines()[0][:200]})") from None
         raise
-
-
-# Bytes torch's CPU allocator aligns every tensor to.
-ALIGNMENT = 64
-
-
-def _realign(model: nn.Module) -> nn.Module:
-    """Copy the CPU parameters and buffers transformers left inside the memory-mapped safetensors
-    file (at arbitrary byte offsets) to memory of their own. BLAS kernels round differently on
-    unaligned operands, so without this a loaded model computes its logits a few ulps off the
-    model that was saved (at a MoD layer's gathered shapes, for example)."""
-    with torch.no_grad():
-        for t in (*model.parameters(), *model.buffers()):
-            if t.device.type == "cpu" and t.numel() and t.data_ptr() % ALIGNMENT:
-                t.data = t.data.clone()
-    return model
 
 
 def _zero_missing_routers(model: nn.Module, missing: list[str], path: str | Path) -> None:
@@ -200,7 +213,6 @@ def load_pretrained(path: str | Path, **from_pretrained_kwargs: Any) -> nn.Modul
     settings = getattr(config, "vlmod", None)
     if not settings:
         model, info = _from_pretrained(cls, path, from_pretrained_kwargs)
-        _realign(model)
         return (model, info) if want_info else model
     parts = part_configs(settings, f"{path}/config.json")
 
@@ -218,7 +230,6 @@ def load_pretrained(path: str | Path, **from_pretrained_kwargs: Any) -> nn.Modul
         raise CheckpointError(f"{path}/config.json: the vlmod settings do not fit this model: {str(e).splitlines()[0]}") from None
     model.__class__ = cls
     _zero_missing_routers(model, info.get("missing_keys", []), path)
-    _realign(model)
     return (model, info) if want_info else model
 
 

@@ -93,14 +93,14 @@ class VLMod(lmms):
             )
         from transformers import AutoProcessor
 
-        from vlmod.hf import check_finite
+        from vlmod.hf import check_finite, loading_kwargs
 
         self.device = pick_device(device)
-        if dtype in (None, "", "auto"):  # the checkpoint's dtype on a GPU; float32 on CPU
-            torch_dtype: Any = "auto" if self.device.type == "cuda" else torch.float32
-        else:
-            torch_dtype = getattr(torch, str(dtype))
-        self.model = vlmod.load_pretrained(pretrained, dtype=torch_dtype)
+        try:  # the checkpoint's own dtype unless dtype= names another; onto a GPU directly
+            loading = loading_kwargs(dtype or "auto", self.device)
+        except ValueError as e:
+            raise ValueError(f"vlmod: model_args {e}") from None
+        self.model = vlmod.load_pretrained(pretrained, **loading)
         check_finite(self.model, pretrained)
         if capacity is not None:
             vlmod.set_capacity(self.model, float(capacity))

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from vlmod.arank import EXIT_USAGE, LayerRanks, _check_selection, rank_layers
+from vlmod.argtypes import add_dtype_argument, fraction, non_negative_int, option, positive_int
 from vlmod.argtypes import device as device_type
-from vlmod.argtypes import fraction, non_negative_int, option, positive_int
 from vlmod.calibration import calibration_batches, calibration_samples
 from vlmod.config import MoDConfig
 from vlmod.data.llava_format import DataError
@@ -78,7 +78,6 @@ class RankInputError(ValueError):
 
 
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def add_rank_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -140,12 +139,7 @@ def add_rank_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument(
         "--device", type=device_type, default=None, help="torch device (default: cuda if available, else cpu)"
     )
-    parser.add_argument(
-        "--dtype",
-        choices=("auto", *DTYPES),
-        default="auto",
-        help="model dtype (default: bfloat16 on GPU, float32 on CPU); SVDs run in float32 either way",
-    )
+    add_dtype_argument(parser)  # the SVDs run in float32 whatever the model's dtype
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(run=run_rank)
     return parser
@@ -160,12 +154,12 @@ def run_rank(args: argparse.Namespace) -> int:
         return EXIT_USAGE
 
 
-def _load_model(path: str, device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, Any]:
-    from vlmod.hf import load_vlm
+def _load_model(path: str, device: torch.device, dtype: str) -> tuple[nn.Module, Any]:
+    from vlmod.hf import load_vlm, loading_kwargs
 
     model, processor = load_vlm(
         path, RankInputError, "the rank command calibrates (for image encoders, call vlmod.arank.rank_layers)",
-        converted=False, dtype=dtype,
+        converted=False, **loading_kwargs(dtype, device),
     )
     return model.to(device).eval(), processor
 
@@ -180,10 +174,11 @@ def rank_checkpoint(
     batch_size: int = 4,
     part: str = "language",
     progress: bool = True,
+    dtype: str = "auto",
 ) -> LayerRanks:
-    """Load a LLaVA checkpoint (on the GPU when there is one) and rank its layers on DATA."""
+    """Load a LLaVA checkpoint (on the GPU when there is one, in its own dtype unless `dtype`
+    names another) and rank its layers on DATA."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     samples = calibration_samples(data, image_root=image_root, prompt=prompt)
     llava, processor = _load_model(model, device, dtype)
     batches = calibration_batches(processor, samples, batch_size=batch_size, num_samples=num_samples)
@@ -213,14 +208,13 @@ def _run_rank(args: argparse.Namespace) -> int:
     samples = calibration_samples(args.data, image_root=args.image_root, prompt=args.prompt)
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = DTYPES.get(args.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     from transformers.utils import logging as hf_logging
 
     bars_were_off = hf_logging.is_progress_bar_enabled() is False
     if args.no_progress:
         hf_logging.disable_progress_bar()
     try:
-        model, processor = _load_model(args.model, device, dtype)
+        model, processor = _load_model(args.model, device, args.dtype)
     finally:
         if args.no_progress and not bars_were_off:
             hf_logging.enable_progress_bar()
@@ -275,7 +269,7 @@ def _run_rank(args: argparse.Namespace) -> int:
             "keep_last": args.keep_last,
         },
         "device": str(device),
-        "dtype": str(dtype).removeprefix("torch."),
+        "dtype": str(model.dtype).removeprefix("torch."),
         "seconds": round(seconds, 3),
     }
     out = ranks.to_json(args.out)

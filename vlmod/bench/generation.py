@@ -100,7 +100,7 @@ def build_pair(
     `capacity` and `layers` (defaults when None); `default_layers` may be a function of the number
     of language layers.
     """
-    words = 60
+    words, twin = 60, None
     if model is not None:
         from vlmod.hf import load_config, load_vlm, part_configs, vlm_class
 
@@ -113,10 +113,11 @@ def build_pair(
                 "as saved, or give the plain checkpoint to convert it otherwise"
             )
         mod, processor = load_vlm(model, InputError, "bench measures", converted=True)
+        # The dense twin is a second mapping of the same files, not a copy: a 7B model fits once.
+        dense, _ = load_vlm(model, InputError, "bench measures", converted=False)
         if vlmod.mod_layers(mod):
-            dense, _ = load_vlm(model, InputError, "bench measures", converted=False)
             return dense.eval(), mod.eval(), processor, words, "the checkpoint's own MoD layers"
-        dense = mod.eval()
+        dense, twin = dense.eval(), mod.eval()
     else:
         dense, processor, words = build_preset(preset, presets)
     if layers is None:
@@ -124,7 +125,7 @@ def build_pair(
     capacity = DEFAULT_CAPACITY if capacity is None else capacity
     try:
         config = vlmod.MoDConfig(capacity=capacity, layers=parse_layers(layers))
-        mod = vlmod.apply_mod(copy.deepcopy(dense), config)
+        mod = vlmod.apply_mod(twin if twin is not None else copy.deepcopy(dense), config)
     except (ValueError, TypeError) as e:
         raise InputError(str(e)) from e
     return dense, mod, processor, words, "converted here"

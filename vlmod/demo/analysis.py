@@ -135,11 +135,12 @@ def load_model(path: str | Path, dense_path: str | Path | None = None, device: s
     """Load a converted checkpoint (and a dense one to compare with: a local directory or a hub
     id, see `vlmod.demo.checkpoints`) for the demo."""
     import vlmod
-    from vlmod.hf import load_vlm
+    from vlmod.hf import load_vlm, loading_kwargs
 
     if Path(path).expanduser().exists():
         path = Path(path).expanduser()
-    model, processor = load_vlm(path, ValueError, "the demo shows")
+    loading = loading_kwargs("auto", device)  # the checkpoint's own dtype, straight onto a GPU
+    model, processor = load_vlm(path, ValueError, "the demo shows", **loading)
     model = model.to(device).eval()
     if not vlmod.mod_layers(model):
         raise ValueError(
@@ -148,7 +149,7 @@ def load_model(path: str | Path, dense_path: str | Path | None = None, device: s
         )
     dense = None
     if dense_path is not None:
-        dense = vlmod.load_pretrained(dense_path).to(device).eval()
+        dense = vlmod.load_pretrained(dense_path, **loading).to(device).eval()
         if vlmod.mod_layers(dense):
             vlmod.remove_mod(dense)
     return LoadedModel(model=model, processor=processor, path=path, dense=dense, dense_path=dense_path)
