@@ -31,7 +31,9 @@ import random
 import sys
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -64,13 +66,37 @@ from vlmod.train_config import (  # TrainConfig, TRAINABLE and config_from_args 
 # ----------------------------------------------------------------------------- model
 
 
-def load_model(cfg: TrainConfig) -> tuple[nn.Module, Any]:
-    """The LLaVA model (converted as saved, then by `mod:`) and its processor, in float32."""
+def weights_dtype(cfg: TrainConfig) -> torch.dtype:
+    """The dtype of the frozen weights: `dtype:` of the config, "auto" being the checkpoint's own
+    (read from its config, before any weight loads). What trains is float32 whatever this is."""
+    from vlmod.hf import checkpoint_dtype, load_config, torch_dtype
+
+    dtype = torch_dtype(cfg.dtype)
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return checkpoint_dtype(load_config(cfg.model))
+    except (OSError, ValueError) as e:
+        raise TrainError(str(e)) from None
+
+
+def mixed_precision(cfg: TrainConfig, frozen: torch.dtype) -> str:
+    """accelerate's mixed precision: the config's, or, where it says "no" but the frozen weights
+    are bfloat16 / float16, autocast in their dtype (float32 trainable weights meet low-precision
+    activations: the matmuls must agree on a dtype)."""
+    if cfg.mixed_precision != "no" or frozen == torch.float32:
+        return cfg.mixed_precision
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}[frozen]
+
+
+def load_model(cfg: TrainConfig, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, Any]:
+    """The LLaVA model (converted as saved, then by `mod:`) and its processor, its weights in
+    `dtype` (mapped from the checkpoint when that is its own)."""
     from vlmod.hf import load_vlm
     from vlmod.routing.api import apply_mod
     from vlmod.routing.trace import find_parts
 
-    model, processor = load_vlm(cfg.model, TrainError, "fine-tuning supports", dtype=torch.float32)
+    model, processor = load_vlm(cfg.model, TrainError, "fine-tuning supports", dtype=dtype)
     if cfg.mod is not None:
         try:
             apply_mod(model, cfg.mod_config(), part="language")
@@ -121,6 +147,19 @@ def set_trainable(model: nn.Module, trainable: str, train_vision_tower: bool = F
         if on:
             groups[group] += p.numel()
     return {k: v for k, v in groups.items() if v}
+
+
+def cast_trainable(model: nn.Module, dtype: torch.dtype) -> int:
+    """Cast the parameters that train to `dtype` in place (float32: their master weights; the
+    frozen dtype again before saving, so the saved model keeps the checkpoint's dtype); how many
+    parameters were cast."""
+    cast = 0
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad and p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)
+                cast += p.numel()
+    return cast
 
 
 def add_lora(model: nn.Module, cfg: TrainConfig) -> nn.Module:
@@ -212,21 +251,45 @@ def _takes_loss_kwargs(model: nn.Module) -> bool:
 
 
 @torch.no_grad()
-def validation_loss(model: nn.Module, loader: Any, accelerator: Any) -> float:
+def validation_loss(model: nn.Module, loader: Any, accelerator: Any, compute: Any = nullcontext) -> float:
     """Mean answer loss over `loader` (all processes): per-sample mean NLL of the answer tokens,
-    as `vlmod eval` reports it (no router aux term)."""
+    as `vlmod eval` reports it (no router aux term). `compute`: the forward's autocast context."""
     from vlmod.eval import answer_losses
 
     model.eval()
     total = torch.zeros((), device=accelerator.device)
     count = torch.zeros((), device=accelerator.device)
     for batch in loader:
-        losses = answer_losses(model(**batch).logits, batch["labels"])
+        with compute():
+            logits = model(**batch).logits
+        losses = answer_losses(logits, batch["labels"])
         total += losses.sum()
         count += losses.numel()
     model.train()
     total, count = accelerator.reduce(total), accelerator.reduce(count)
     return float(total / count.clamp_min(1))
+
+
+def _sharded(accelerator: Any) -> bool:
+    """Whether parameters or optimizer state are split over processes (FSDP, DeepSpeed, ...)."""
+    return accelerator.distributed_type.value in ("FSDP", "DEEPSPEED", "MEGATRON_LM", "XLA")
+
+
+def _check_memory(model: nn.Module, dataset: Any, cfg: TrainConfig, dtype: torch.dtype, accelerator: Any) -> Any:
+    """Estimate the run's peak memory from its first micro-batch and refuse, in one line, a run
+    that cannot fit this process's device (`vlmod.train_memory`); sharded runs (FSDP, ZeRO) hold
+    less than one process's estimate, so they are not refused."""
+    from vlmod import train_memory
+
+    first = dataset.collate([dataset[i] for i in range(min(cfg.batch_size, len(dataset)))])
+    ids = first["input_ids"]
+    compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, dtype)
+    needed = train_memory.estimate(
+        model, ids.numel(), longest=ids.shape[1], compute_dtype=compute, gradient_checkpointing=cfg.gradient_checkpointing
+    )
+    if not _sharded(accelerator):
+        train_memory.check_fits(needed, accelerator.device, TrainError)
+    return needed
 
 
 # ----------------------------------------------------------------------------- training
@@ -262,14 +325,20 @@ def step_capacities(cfg: TrainConfig, converted: dict[str, float], step: int, to
     return {name: c + (1.0 - c) * left for name, c in targets.items()}
 
 
-def _make_accelerator(cfg: TrainConfig) -> Any:
+def _make_accelerator(cfg: TrainConfig, precision: str) -> Any:
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
     from accelerate.utils import ProjectConfiguration
 
+    state = AcceleratorState._shared_state
+    if state and state.get("_mixed_precision") != precision and int(os.environ.get("WORLD_SIZE", "1") or 1) == 1:
+        # accelerate keeps one process-wide state and refuses another precision in the same process
+        # (a second run in a notebook, a recipe's next stage); one process has nothing else to keep.
+        AcceleratorState._reset_state()
     project = ProjectConfiguration(project_dir=cfg.output_dir, logging_dir=str(Path(cfg.output_dir) / "logs"))
     return Accelerator(
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-        mixed_precision=cfg.mixed_precision,
+        mixed_precision=precision,
         log_with=cfg.report_to or None,
         project_config=project,
     )
@@ -349,11 +418,12 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
             raise TrainError(f"data file {path} does not exist")
     check_output_dir_owner(cfg)
     resume_from = resolve_resume(cfg)
-    accelerator = _make_accelerator(cfg)
+    frozen_dtype = weights_dtype(cfg)
+    accelerator = _make_accelerator(cfg, mixed_precision(cfg, frozen_dtype))
     _check_launch(accelerator)
     _check_lora_sharding(cfg, accelerator)
     set_seed(cfg.seed)
-    model, processor = load_model(cfg)
+    model, processor = load_model(cfg, frozen_dtype)
     teacher = None
     if cfg.distill_from is not None:
         from vlmod.distill import Teacher
@@ -374,6 +444,11 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
     if not groups:
         raise TrainError(f"trainable: {cfg.trainable} leaves no parameter to train in this model")
     parts = find_parts(model)
+    needed = _check_memory(model, train_set, cfg, frozen_dtype, accelerator)
+    cast_trainable(model, torch.float32)  # master weights: updates too small for bfloat16 still add up
+    # accelerate autocasts the forward for bf16 (and for fp16 on a GPU); fp16 on CPU it leaves alone.
+    low_precision = frozen_dtype != torch.float32 and not accelerator.native_amp
+    compute = partial(torch.autocast, accelerator.device.type, dtype=frozen_dtype) if low_precision else nullcontext
 
     loader = torch.utils.data.DataLoader(
         train_set, batch_size=cfg.batch_size, sampler=EpochSampler(len(train_set), cfg.seed), collate_fn=train_set.collate,
@@ -430,6 +505,11 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
     if cfg.report_to:
         accelerator.init_trackers("vlmod-finetune", config={k: str(v) for k, v in cfg.to_dict().items()})
     accelerator.print(
+        f"weights: frozen in {str(frozen_dtype).removeprefix('torch.')}, trainable in float32 (master weights), "
+        f"forward {'in float32' if frozen_dtype == torch.float32 and cfg.mixed_precision == 'no' else 'under autocast'}; "
+        f"estimated peak {needed.describe()}"
+    )
+    accelerator.print(
         f"training {', '.join(f'{k} {v:,}' for k, v in groups.items())} parameters; "
         f"{len(train_set)} samples, {total_steps} steps of {cfg.batch_size * cfg.gradient_accumulation_steps * accelerator.num_processes}"
     )
@@ -457,11 +537,12 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
                 token_share = answer_token_share(batch, accelerator) if per_token else None
                 extra = {} if token_share is None else {"num_items_in_batch": token_share}
                 if parts:
-                    with trace_routing(model) as trace:
+                    with trace_routing(model) as trace, compute():
                         out = model(**batch, **extra)
                     routed += routed_counts(trace, parts).to(routed.device)
                 else:
-                    out = model(**batch, **extra)
+                    with compute():
+                        out = model(**batch, **extra)
                 loss = out.loss
                 if teacher is not None:
                     loss = loss + cfg.distill_weight * teacher.loss(out.logits, batch, token_share)
@@ -494,7 +575,7 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
                 routed.zero_()
                 micro = 0
             if val_loader is not None and cfg.eval_steps and (step % cfg.eval_steps == 0 or step == total_steps):
-                val_loss = validation_loss(model, val_loader, accelerator)
+                val_loss = validation_loss(model, val_loader, accelerator, compute)
                 history.append({"step": step, "val_loss": val_loss})
                 bar.write(f"step {step}: validation loss {val_loss:.4f}")
                 if cfg.report_to:
@@ -509,6 +590,8 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
     bar.close()
     for name, capacity in converted.items() if cfg.capacities or cfg.capacity_warmup else ():
         set_capacity(accelerator.unwrap_model(model), capacity, part=name)
+    if not _sharded(accelerator):
+        cast_trainable(accelerator.unwrap_model(model), frozen_dtype)  # saved in the checkpoint's dtype
     out_dir = save_model(accelerator, model, processor, Path(cfg.output_dir) / "model")
     if accelerator.is_main_process:
         write_json(Path(cfg.output_dir) / "train_log.json", {"config": cfg.to_dict(), "history": history})

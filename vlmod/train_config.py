@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vlmod.argtypes import read_yaml_mapping
-from vlmod.config import MoDConfig
+from vlmod.config import DTYPES, MoDConfig
 from vlmod.errors import TrainError
 
 TRAINABLE = ("router", "language", "lora", "full")
@@ -34,6 +34,10 @@ class TrainConfig:
 
     model: checkpoint directory or hub id (dense or already converted by `vlmod convert`).
     data / val_data: LLaVA-format JSON (paths relative to `image_root`, default the JSON's folder).
+    dtype: the frozen weights' dtype, "auto" for the checkpoint's own (a bfloat16 7B stays 13.5 GB);
+        the weights that train are float32 master weights whatever it is (a full fine-tune: 16 bytes
+        a trained parameter with AdamW), and a bfloat16 / float16 model runs its forward under
+        autocast in that dtype when mixed_precision is "no".
     mod: MoDConfig fields to convert the language model before training (e.g. {capacity: 0.5,
         layers: [2, 3], routable: [image]}); None trains the model as loaded.
     aux_loss / aux_loss_weight: override the router aux loss of an already converted model.
@@ -65,6 +69,7 @@ class TrainConfig:
     aux_loss: str | None = None
     aux_loss_weight: float | None = None
     trainable: str = "language"
+    dtype: str = "auto"
     train_vision_tower: bool = False
     lora_r: int = 16
     lora_alpha: int = 32
@@ -103,6 +108,7 @@ class TrainConfig:
             "trainable": (self.trainable, TRAINABLE),
             "scheduler": (self.scheduler, SCHEDULERS),
             "mixed_precision": (self.mixed_precision, PRECISIONS),
+            "dtype": (self.dtype, DTYPES),
         }
         for key, (value, valid) in choices.items():
             if value not in valid:
@@ -208,7 +214,9 @@ _OVERRIDES: tuple[tuple[str, Any, str], ...] = (
     ("val_data", str, "LLaVA-format validation JSON (validation loss every --eval-steps)"),
     ("image_root", str, "folder image/video paths are relative to (default: the JSON's folder)"),
     ("output_dir", str, "where checkpoints/, model/ and train_log.json go"),
-    ("trainable", str, f"what trains: {', '.join(TRAINABLE)}"),
+    ("trainable", str, f"what trains: {', '.join(TRAINABLE)}; always in float32 master weights (full: 16 bytes a "
+     "parameter with AdamW)"),
+    ("dtype", str, f"dtype of the frozen weights ({', '.join(DTYPES)}): auto keeps the checkpoint's"),
     ("lr", float, f"learning rate (default: {LR}; {ROUTER_ONLY_LR} with --trainable router, as "
      "configs/finetune/llava-1.5-7b-router.yaml)"),
     ("router_lr", float, "learning rate of the routers (default: --lr)"),
