@@ -188,7 +188,7 @@ def _add_cache_argument(p: argparse.ArgumentParser) -> None:
         "--decode-bound", action="store_true",
         help="also decode in lockstep with MoD's router and gate bypassed (a copy of the MoD model whose layers "
         "run their blocks ungated over the same small caches in decode steps): what MoD could decode at if "
-        "routing cost nothing (default: off; holds a third copy of the weights; needs --new-tokens >= 2)",
+        "routing cost nothing (default: off; a third model over the same weights; needs --new-tokens >= 2)",
     )
 
 
@@ -576,13 +576,52 @@ def add_audit_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
     return p
 
 
+# ----------------------------------------------------------------------------- scale-check
+
+
+def add_scale_check_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
+    """`vlmod scale-check`: every stage on a checkpoint of the real 7B shapes, memory and time each."""
+    from vlmod.scale import SHAPES
+    from vlmod.scale_check import STAGES
+
+    p = subparsers.add_parser(
+        "scale-check",
+        help="run every stage on a checkpoint of the real 7B shapes: wall time and peak memory each",
+        description="Build a LLaVA-1.5-7B- or LLaVA-NeXT-Video-7B-shaped checkpoint (the real configs and "
+        "processor shapes, random bfloat16 weights: 13.5 GB for 32 layers) and run each stage as its command in "
+        "a process of its own: convert, load, rank, eval, lmms-eval, the demo with one request, router and "
+        "LoRA fine-tunes, bench. Prints and writes a table (stage, wall time, peak RSS, checkpoint bytes, ratio).",
+    )
+    p.add_argument("--shape", choices=SHAPES, default=SHAPES[0], help=f"model shape (default: {SHAPES[0]})")
+    p.add_argument("--workdir", default="scale-check",
+                   help="folder for the checkpoints, data, logs and table (default: scale-check)")
+    p.add_argument("--layers", type=positive_int, default=32,
+                   help="language layers (default: 32, the real model; fewer for a quicker look)")
+    p.add_argument("--stages", default=",".join(STAGES), help=f"comma list of stages (default: {','.join(STAGES)})")
+    p.add_argument("--keep", action="store_true", help="keep the fine-tuned models (default: delete each once measured)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(run=run_scale_check)
+    return p
+
+
+def run_scale_check(args: argparse.Namespace) -> int:
+    from vlmod.scale_check import format_table, scale_check
+
+    stages = tuple(s.strip() for s in args.stages.split(",") if s.strip())
+    rows = scale_check(args.shape, args.workdir, layers=args.layers, stages=stages, keep=args.keep,
+                       progress=not args.no_progress)
+    print(format_table(rows))
+    print(f"wrote {Path(args.workdir) / f'{args.shape}-{args.layers}' / 'scale_check.md'}")
+    return 0 if all(r.returncode == 0 for r in rows) else 1
+
+
 # ----------------------------------------------------------------------------- main
 
 # Top-level subcommands.
 COMMANDS: list[Callable[[SubParsers], argparse.ArgumentParser]] = [
     add_convert_parser, add_rank_parser, add_bench_parser, add_finetune_parser, add_eval_parser,
     add_audit_parser, add_demo_parser, add_recipe_parser, add_data_parser, add_tiny_parser,
-    add_pretrain_tower_parser,
+    add_pretrain_tower_parser, add_scale_check_parser,
 ]
 
 

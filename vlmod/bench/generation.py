@@ -84,6 +84,14 @@ def build_preset(preset: str | None, presets: Mapping[str, Mapping[str, Any]]) -
     return built, processor, prompt
 
 
+def shared_copy(model: nn.Module) -> nn.Module:
+    """A second module tree over the same parameter and buffer tensors: the dense twin of a MoD
+    model (or the reverse) without a second copy of the weights, so a 7B pair fits where one
+    model does (converting or unconverting a layer swaps classes and routers, never weights)."""
+    memo: dict[int, Any] = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    return copy.deepcopy(model, memo)
+
+
 def build_pair(
     model: str | None,
     preset: str | None,
@@ -100,7 +108,7 @@ def build_pair(
     `capacity` and `layers` (defaults when None); `default_layers` may be a function of the number
     of language layers.
     """
-    words, twin = 60, None
+    words = 60
     if model is not None:
         from vlmod.hf import load_config, load_vlm, part_configs, vlm_class
 
@@ -113,11 +121,10 @@ def build_pair(
                 "as saved, or give the plain checkpoint to convert it otherwise"
             )
         mod, processor = load_vlm(model, InputError, "bench measures", converted=True)
-        # The dense twin is a second mapping of the same files, not a copy: a 7B model fits once.
-        dense, _ = load_vlm(model, InputError, "bench measures", converted=False)
         if vlmod.mod_layers(mod):
+            dense = vlmod.remove_mod(shared_copy(mod))
             return dense.eval(), mod.eval(), processor, words, "the checkpoint's own MoD layers"
-        dense, twin = dense.eval(), mod.eval()
+        dense = mod.eval()
     else:
         dense, processor, words = build_preset(preset, presets)
     if layers is None:
@@ -125,7 +132,7 @@ def build_pair(
     capacity = DEFAULT_CAPACITY if capacity is None else capacity
     try:
         config = vlmod.MoDConfig(capacity=capacity, layers=parse_layers(layers))
-        mod = vlmod.apply_mod(twin if twin is not None else copy.deepcopy(dense), config)
+        mod = vlmod.apply_mod(shared_copy(dense), config)
     except (ValueError, TypeError) as e:
         raise InputError(str(e)) from e
     return dense, mod, processor, words, "converted here"
@@ -230,7 +237,7 @@ def routing_bypassed(mod: nn.Module) -> nn.Module:
     decode, which tells what the router and gate cost a step from what the smaller caches allow."""
     from vlmod.routing.layer import LAYER_ATTR
 
-    bypassed = copy.deepcopy(mod)
+    bypassed = shared_copy(mod)
     for module in bypassed.modules():
         routing = module.__dict__.get(LAYER_ATTR)
         if routing is not None:
