@@ -275,3 +275,27 @@ def test_the_7b_shapes_have_the_real_config_and_processor(shape) -> None:
     assert n_image == 576 if shape == "llava-1.5-7b" else n_image > 576  # anyres adds tiles
     if shape == "llava-next-video-7b":
         assert tok.convert_tokens_to_ids("<video>") == config.video_token_index == 32000
+
+
+def test_a_stage_is_measured_in_its_own_process(tmp_path) -> None:
+    from vlmod.scale_check import run_measured
+
+    grab = "b = bytearray(300 * 2**20); b[::4096] = b'x' * len(b[::4096]); print('held')"
+    seconds, peak, rc, _ = run_measured([sys.executable, "-c", grab], tmp_path / "log")
+    assert rc == 0 and seconds > 0 and (tmp_path / "log").read_text().strip() == "held"
+    assert 300 * 2**20 <= peak < 300 * 2**20 + 200 * 2**20  # the child's own peak, not this process's
+
+
+def test_a_stage_rerun_replaces_its_row_only(tmp_path) -> None:
+    from vlmod.scale_check import StageResult, _write
+
+    def row(stage: str, seconds: float) -> StageResult:
+        return StageResult(stage, f"vlmod {stage}", seconds, 3 * 2**30, 2 * 2**30, 0, 2**30)
+
+    _write(tmp_path, "llava-1.5-7b", 2, [row("convert", 10.0), row("eval", 20.0)])
+    _write(tmp_path, "llava-1.5-7b", 2, [row("build", 5.0), row("convert", 11.0)])
+    table = json.loads((tmp_path / "scale_check.json").read_text())["stages"]
+    assert [(r["stage"], r["seconds"]) for r in table] == [("build", 5.0), ("convert", 11.0), ("eval", 20.0)]
+    assert table[0]["ratio"] == 1.5 and table[0]["ratio_above_baseline"] == 1.0
+    assert "| convert | 11 | 3.0 | 2.0 | 1.50 | 1.00 | ok |" in (tmp_path / "scale_check.md").read_text()
+    assert main(["scale-check", "--workdir", str(tmp_path), "--stages", "convert,teleport"]) == 2

@@ -27,7 +27,11 @@ from typing import Any
 from vlmod.errors import InputError
 from vlmod.fileio import write_json, write_text
 
-STAGES = ("build", "convert", "load", "rank", "eval", "lmms", "demo", "finetune-router", "finetune-lora", "bench")
+STAGES = ("build", "convert", "load", "rank", "eval", "lmms", "demo", "finetune-router", "finetune-lora",
+          "finetune-full", "bench")
+# Stages that must refuse, in one line, before they start: a full fine-tune of a 7B (16 bytes a
+# trained parameter) fits no 24 GiB machine.
+REFUSALS = ("finetune-full",)
 GIB = 1024**3
 
 
@@ -61,26 +65,49 @@ def _vlmod(*args: str) -> list[str]:
     return [sys.executable, "-m", "vlmod", *args]
 
 
+# Linux counts a child's peak RSS from the memory its parent had when it forked, so a stage is
+# started by this small launcher (a bare Python of a few MB), which reports the stage's own peak.
+_LAUNCHER = """
+import json, os, signal, sys
+out, argv = sys.argv[1], sys.argv[2:]
+pid = os.fork()
+if pid == 0:
+    try:
+        os.execvp(argv[0], argv)
+    finally:
+        os._exit(127)
+signal.signal(signal.SIGTERM, lambda *_: os.kill(pid, signal.SIGTERM))
+_, status, usage = os.wait4(pid, 0)
+scale = 1 if sys.platform == "darwin" else 1024
+with open(out, "w") as f:
+    json.dump({"peak_rss": usage.ru_maxrss * scale, "returncode": os.waitstatus_to_exitcode(status)}, f)
+"""
+
+
 def run_measured(argv: list[str], log: Path, env: dict[str, str] | None = None,
                  while_running: Callable[[subprocess.Popen], str] | None = None) -> tuple[float, int, int, str]:
     """Run `argv` to its end (or, with `while_running`, until that returns and stops it): wall
-    seconds, peak RSS in bytes (this process's own, from wait4), return code, the note returned."""
+    seconds, its peak RSS in bytes, its return code, and the note `while_running` returned."""
+    report = log.with_suffix(".peak.json")
+    report.unlink(missing_ok=True)
     start = time.perf_counter()
     with log.open("w") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen([sys.executable, "-S", "-c", _LAUNCHER, str(report), *argv], stdout=out,
+                                stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL)
         note = ""
         try:
             if while_running is not None:
                 note = while_running(proc)
                 proc.terminate()
         except BaseException:
-            proc.kill()
+            proc.terminate()
             raise
         finally:
-            _, status, usage = os.wait4(proc.pid, 0)
-            proc.returncode = os.waitstatus_to_exitcode(status)
-    peak = usage.ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-    return time.perf_counter() - start, peak, proc.returncode, note
+            proc.wait()
+    seconds = time.perf_counter() - start
+    measured = json.loads(report.read_text())
+    report.unlink()
+    return seconds, measured["peak_rss"], measured["returncode"], note
 
 
 def _free_port() -> int:
@@ -197,7 +224,7 @@ def scale_check(
         "demo": (_vlmod("demo", "--model", str(conv), "--port", str(port := _free_port()), "--timing-runs", "0",
                         "--max-new-tokens", "4"), _demo_request(port, _first_image(data / "val.json"))),
     }
-    for mode, extra in (("router", []), ("lora", ["--gradient-checkpointing"])):
+    for mode, extra in (("router", []), ("lora", ["--gradient-checkpointing"]), ("full", ["--gradient-checkpointing"])):
         plans[f"finetune-{mode}"] = (_vlmod(
             "finetune", "--model", str(conv), "--data", str(train_json), "--output-dir", str(root / f"ft-{mode}"),
             "--trainable", mode, "--max-steps", "3", "--batch-size", "1", "--mixed-precision", "bf16",
@@ -215,6 +242,9 @@ def scale_check(
         seconds, peak, rc, note = run_measured(argv, logs / f"{stage}.log", env, during)
         if stage == "demo" and rc in (-15, 143):  # stopped by us after its request: that is success
             rc = 0
+        if stage in REFUSALS:  # a refusal in one line is the expected result; a start is not
+            refusal = _error_line(logs / f"{stage}.log")
+            rc, note = (0, f"refused: {refusal}") if rc == 2 and refusal else (rc or 1, "did not refuse")
         size = folder_bytes(ckpt)
         rows.append(StageResult(stage, " ".join(argv[1:] if argv[0] == sys.executable else argv), seconds, peak,
                                 size, rc, baseline, note or ("" if rc == 0 else f"failed: see {logs / f'{stage}.log'}")))
@@ -223,6 +253,11 @@ def scale_check(
         if stage.startswith("finetune") and not keep:
             shutil.rmtree(root / f"ft-{stage.split('-')[1]}", ignore_errors=True)
     return rows
+
+
+def _error_line(log: Path) -> str | None:
+    lines = [line for line in log.read_text(errors="replace").splitlines() if line.startswith("error: ")]
+    return lines[-1].removeprefix("error: ") if len(lines) == 1 else None
 
 
 def _first_image(data: Path) -> Path:
@@ -242,10 +277,21 @@ def format_table(rows: list[StageResult]) -> str:
 
 
 def _write(root: Path, shape: str, layers: int, rows: list[StageResult]) -> None:
+    """The table of this run, with the rows of stages an earlier run measured and this one did not
+    (a stage rerun on its own replaces its row only), in the order of STAGES."""
     meta = {"shape": shape, "layers": layers, "cpus": os.cpu_count(), "memory_bytes": _total_memory()}
+    try:
+        earlier = json.loads((root / "scale_check.json").read_text())["stages"]
+    except (OSError, ValueError, KeyError, TypeError):
+        earlier = []
+    fields = set(StageResult.__dataclass_fields__)
+    ran = {r.stage for r in rows}
+    kept = [StageResult(**{k: v for k, v in row.items() if k in fields})
+            for row in earlier if isinstance(row, dict) and row.get("stage") in set(STAGES) - ran]
+    table = sorted(kept + rows, key=lambda r: STAGES.index(r.stage))
     write_json(root / "scale_check.json", {**meta, "stages": [
-        asdict(r) | {"ratio": r.ratio, "ratio_above_baseline": r.ratio_above_baseline} for r in rows]})
-    write_text(root / "scale_check.md", f"{shape}, {layers} language layers, bfloat16\n\n{format_table(rows)}\n")
+        asdict(r) | {"ratio": r.ratio, "ratio_above_baseline": r.ratio_above_baseline} for r in table]})
+    write_text(root / "scale_check.md", f"{shape}, {layers} language layers, bfloat16\n\n{format_table(table)}\n")
 
 
 def _total_memory() -> int | None:
