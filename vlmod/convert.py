@@ -17,9 +17,9 @@ from safetensors import SafetensorError
 from tqdm.auto import tqdm
 
 from vlmod.argtypes import read_yaml_mapping
-from vlmod.config import MoDConfig
+from vlmod.config import DTYPES, MoDConfig
 from vlmod.flops import DecoderDims, language_prefill_flops
-from vlmod.hf import DTYPES, checkpoint_dtype, load_config, model_class, torch_dtype
+from vlmod.hf import checkpoint_dtype, load_config, model_class, torch_dtype
 from vlmod.routing.schedule import capacity_to_k
 from vlmod.safetensors_layout import align_folder
 

@@ -10,7 +10,9 @@ The estimate counts, per process:
   tokens of a micro-batch: per token and layer the inputs of the attention and MLP projections
   (8 x width + 3 x MLP width values, plus the attention scores under eager attention), or only the
   layer input under gradient checkpointing (plus one layer recomputed); the logits and their
-  gradient in float32. MoD layers are counted as dense (an upper bound: they keep fewer tokens).
+  gradient in float32. MoD layers are counted as dense (an upper bound: they keep fewer tokens);
+- what the process already holds besides the model (Python, torch, the data).
+How close it comes to a measured peak: README, Real size.
 """
 
 from __future__ import annotations
@@ -31,15 +33,17 @@ class MemoryEstimate:
     frozen_weights: int
     trainable_state: int
     activations: int
+    process: int = 0  # what the process holds besides the model: interpreter, libraries, data
 
     @property
     def total(self) -> int:
-        return self.frozen_weights + self.trainable_state + self.activations
+        return self.frozen_weights + self.trainable_state + self.activations + self.process
 
     def describe(self) -> str:
         return (
             f"{self.total / GIB:.1f} GiB (frozen weights {self.frozen_weights / GIB:.1f}, trainable weights with "
-            f"gradients and optimizer state {self.trainable_state / GIB:.1f}, activations {self.activations / GIB:.1f})"
+            f"gradients and optimizer state {self.trainable_state / GIB:.1f}, activations {self.activations / GIB:.1f}, "
+            f"the process itself {self.process / GIB:.1f})"
         )
 
 
@@ -69,7 +73,15 @@ def estimate(
     else:
         activations = layers * per_layer
     activations += 2 * tokens * vocab * 4  # float32 logits and their gradient
-    return MemoryEstimate(frozen, 16 * trainable, activations)
+    return MemoryEstimate(frozen, 16 * trainable, activations, process_bytes(next(model.parameters()).device))
+
+
+def process_bytes(device: torch.device) -> int:
+    """This process's own anonymous memory on CPU (the model's mapped weights are file pages, not
+    counted here); nothing on a GPU, whose free memory is measured as it is."""
+    if device.type != "cpu":
+        return 0
+    return _meminfo(Path("/proc/self/status")).get("RssAnon", 0)
 
 
 def available_bytes(device: torch.device) -> int:
@@ -128,4 +140,4 @@ def check_fits(needed: MemoryEstimate, device: torch.device, error: type[Excepti
         )
 
 
-__all__ = ["MemoryEstimate", "available_bytes", "check_fits", "estimate"]
+__all__ = ["MemoryEstimate", "available_bytes", "check_fits", "estimate", "process_bytes"]
