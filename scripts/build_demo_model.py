@@ -21,10 +21,10 @@ import shutil
 import sys
 from pathlib import Path
 
-from vlmod.argtypes import HelpFormatter
+from vlmod.cli.argtypes import HelpFormatter
 from vlmod.demo.app import DEFAULT_DENSE_DIR, DEFAULT_MODEL_DIR
-from vlmod.recipe import RecipeSettings, run_recipe
-from vlmod.recipe_reuse import dense_model_dir
+from vlmod.recipes.recipe import RecipeSettings, run_recipe
+from vlmod.recipes.reuse import dense_model_dir
 
 KEEP = {"config.json", "generation_config.json", "model.safetensors", "processor_config.json",
         "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"}

@@ -1,27 +1,23 @@
 """Benchmarks: does MoD's FLOP reduction turn into wall-clock speed?
 
 Each benchmark measures a dense model and its MoD conversion on the same inputs, interleaved in
-one process, and sets the measured speedup against the FLOPs prediction of `vlmod.flops`;
+one process, and sets the measured speedup against the FLOPs prediction of `vlmod.tools.flops`;
 `efficiency` = measured / predicted is the number to watch (1.0: routing costs nothing beyond
 the blocks it skips). Modules: `timing` (interleaved timing, contention, peak memory), `inputs`
 (layer specs, synthetic pictures, prompts, clips), `vit`, `generation` (LLaVA prefill and
-decode), `video`, `report` (tables).
+generate), `decode` (decode timing and its bounds), `video`, `report` (tables).
 """
 
-from vlmod.bench.generation import (
+from vlmod.bench.decode import (
     CACHES,
-    CPU_7B_SHAPES,
     DEFAULT_CACHE,
-    LLAVA_PRESETS,
-    TINY_SHAPES,
     StepClock,
-    bench_generation,
-    bench_llava,
     generation_footprint,
     kv_cache_bytes,
     lockstep_decode,
     routing_bypassed,
 )
+from vlmod.bench.generation import CPU_7B_SHAPES, LLAVA_PRESETS, TINY_SHAPES, bench_generation, bench_llava
 from vlmod.bench.inputs import parse_layers, prompt_text, synthetic_clip, synthetic_image
 from vlmod.bench.report import (
     format_generation_result,
@@ -42,7 +38,7 @@ from vlmod.bench.timing import (
 )
 from vlmod.bench.video import VIDEO_PRESETS, VIDEO_PROMPT_WORDS, bench_video
 from vlmod.bench.vit import SOURCES, bench_vit, build_vit
-from vlmod.flops import generation_flops  # re-exported: eval and the demo import it from here
+from vlmod.tools.flops import generation_flops  # re-exported: the demo imports it from here
 
 __all__ = [
     "CACHES",

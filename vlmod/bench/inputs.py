@@ -46,7 +46,7 @@ def synthetic_image(size: int = 336, seed: int = 0) -> Any:
 
 def prompt_text(words: int) -> str:
     """A question of about `words` words."""
-    from vlmod.tiny import WORDS
+    from vlmod.models.tiny import WORDS
 
     return " ".join(WORDS[i % len(WORDS)] for i in range(words))
 
@@ -59,7 +59,7 @@ def synthetic_clip(
     decoding a real clip of this size costs."""
     import numpy as np
 
-    from vlmod.video import write_video
+    from vlmod.data.video import write_video
 
     height, width = size
     frames = max(1, round(seconds * fps))

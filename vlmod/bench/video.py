@@ -16,21 +16,23 @@ import torch
 from torch import nn
 
 import vlmod
-from vlmod.bench.generation import (
-    CPU_7B_SHAPES,
+from vlmod.bench.decode import (
     DEFAULT_CACHE,
-    DEFAULT_CAPACITY,
-    TINY_SHAPES,
     StepClock,
-    build_pair,
     cache_kwargs,
     check_cache,
     decode_figures,
     generation_footprint,
+    timed_lockstep,
+)
+from vlmod.bench.generation import (
+    CPU_7B_SHAPES,
+    DEFAULT_CAPACITY,
+    TINY_SHAPES,
+    build_pair,
     model_figures,
     prompt_counts,
     speedups,
-    timed_lockstep,
 )
 from vlmod.bench.inputs import parse_layers, prompt_text, synthetic_clip
 from vlmod.bench.timing import (
@@ -65,7 +67,7 @@ def default_video_layers(num_layers: int) -> list[int]:
 
 
 def _load_clip(path: Path, frames: int) -> Any:
-    from vlmod.video import VideoError, load_video
+    from vlmod.data.video import VideoError, load_video
 
     try:
         return load_video(path, num_frames=frames)
@@ -75,7 +77,7 @@ def _load_clip(path: Path, frames: int) -> Any:
 
 def _check_video_checkpoint(model: str) -> None:
     """Refuse an image-only checkpoint from its config, before its weights are loaded."""
-    from vlmod.hf import load_config, model_class
+    from vlmod.io.hf import load_config, model_class
 
     try:
         config = load_config(model)
@@ -89,7 +91,7 @@ def _check_video_checkpoint(model: str) -> None:
 
 
 def _describe_clip(path: Path) -> str:
-    from vlmod.video import load_video
+    from vlmod.data.video import load_video
 
     info = load_video(path, num_frames=1)
     height, width = info.frames.shape[1:3]
@@ -124,7 +126,7 @@ def bench_video(
     capacity / layers: how to convert a preset or a plain checkpoint (None: 0.5 on every decoder
         layer but the first two and the last). A checkpoint saved converted is measured with its
         own MoD layers. video: a file, or None for a generated clip (`synthetic_clip`).
-    cache: the KV cache both models generate with (`vlmod.bench.generation.CACHES`). threads: torch's
+    cache: the KV cache both models generate with (`vlmod.bench.decode.CACHES`). threads: torch's
     intra-op threads while the benchmark runs (the caller's count is restored afterwards).
     decode_bound: also decode in lockstep with MoD's routing bypassed (`routing_bypassed`).
     """
@@ -203,7 +205,7 @@ def _time_video(
     """The timed part of `bench_video` (models built, clip checked)."""
     from transformers import LogitsProcessorList
 
-    from vlmod.video import load_video
+    from vlmod.data.video import load_video
 
     conversation = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": prompt_text(words)}]}]
     text = processor.apply_chat_template(conversation, add_generation_prompt=True)

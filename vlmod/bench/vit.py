@@ -1,5 +1,5 @@
 """`bench vit`: images/s of a ViT image encoder and of its MoD conversion against the FLOPs
-prediction of `vlmod.flops`."""
+prediction of `vlmod.tools.flops`."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import vlmod
 from vlmod.bench.inputs import parse_layers
 from vlmod.bench.timing import contention, keeps_threads, load_average, set_threads, time_interleaved
 from vlmod.errors import InputError
-from vlmod.flops import ViTDims, processed_counts, vit_flops
+from vlmod.tools.flops import ViTDims, processed_counts, vit_flops
 
 SOURCES = ("timm", "open_clip")
 

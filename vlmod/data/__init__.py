@@ -1,17 +1,11 @@
 """Image-text data: LLaVA-format records and images (calibration and fine-tuning share them),
-the training dataset/collator with answer-only labels, and the synthetic shapes set
-(`vlmod.data.synthetic`, imported on use)."""
+chat messages, the training dataset with answer-only labels, batching, answer scoring, and the
+synthetic shapes set (`vlmod.data.synthetic`, imported on use)."""
 
-from vlmod.data.collate import (
-    IGNORE_INDEX,
-    LlavaDataset,
-    PromptInputs,
-    SkippedRecord,
-    collate,
-    exact_match,
-    normalize_answer,
-    to_messages,
-)
+from vlmod.data.answers import IGNORE_INDEX, exact_match, is_correct, normalize_answer
+from vlmod.data.chat import to_messages
+from vlmod.data.collate import collate
+from vlmod.data.dataset import LlavaDataset, PromptInputs, SkippedRecord
 from vlmod.data.llava_format import (
     IMAGE_EXTENSIONS,
     IMAGE_TOKEN,
@@ -39,6 +33,7 @@ __all__ = [
     "SkippedRecord",
     "collate",
     "exact_match",
+    "is_correct",
     "list_images",
     "load_image",
     "load_records",

@@ -10,7 +10,7 @@ records::
 `image` is a path relative to an image folder (or absolute), a list of such paths for
 multi-image records, or absent for text-only records; `video` (video records) is a path
 resolved the same way. A `.jsonl` file with one record per line
-is read too. Calibration (`vlmod.arank`) and fine-tuning share this reader, so both give the
+is read too. Calibration (`vlmod.tools.arank`) and fine-tuning share this reader, so both give the
 same errors for the same broken file: a missing file, malformed JSON (with line and column) or
 a record without the keys the format requires names the file and the record.
 """

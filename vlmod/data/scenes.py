@@ -2,7 +2,7 @@
 
 Shared by the image questions (`vlmod.data.synthetic`) and the clip questions
 (`vlmod.data.synthetic_video`); every word here is in the tiny offline tokenizer's vocabulary
-(`vlmod.tiny.WORDS`).
+(`vlmod.models.tiny.WORDS`).
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ last), and single-frame colour and shape questions asked about a clip; see
 
 Answers are balanced: question types take turns, and within a type every answer occurs equally
 often (differing by at most one). Every word of the questions and answers is in the vocabulary
-of the tiny offline tokenizer (`vlmod.tiny.WORDS`). The same seed gives the same bytes: each
+of the tiny offline tokenizer (`vlmod.models.tiny.WORDS`). The same seed gives the same bytes: each
 sample draws from its own generator seeded by (seed, split, index), PNGs carry no timestamps,
 and the files are written atomically (temp + rename), the JSON last.
 
@@ -45,11 +45,9 @@ centre, radius; for videos the first/last centre and visible frames).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
-import sys
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -58,7 +56,6 @@ from typing import Any
 
 import numpy as np
 
-from vlmod.argtypes import non_negative_int
 from vlmod.data.scenes import (
     ANSWERS,
     COLORS,
@@ -241,7 +238,7 @@ def _split_records(
             record["image"] = f"images/{split}/{name}"
             media_token = "<image>"
         else:
-            from vlmod.video import write_video
+            from vlmod.data.video import write_video
 
             frames, question, meta = video_sample(rng, qtype, answer, size, num_frames)
             name = f"{i:06d}.mp4"
@@ -396,92 +393,8 @@ def generate(
     return summary
 
 
-# ----------------------------------------------------------------------------- command line
-
-
-
-
-def add_make_data_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The flags of `scripts/make_synthetic_data.py` (and `vlmod data synthetic`); sets
-    `run=run_make_data` as default. The defaults are the sets the recipes train on
-    (`vlmod.recipe.RecipeSettings`: the image task's images, the video task's clips)."""
-    from vlmod.recipe import RecipeSettings
-
-    image, video = RecipeSettings.for_task("image"), RecipeSettings.for_task("video")
-    parser.add_argument("--out", default="data/synthetic", help="output folder (default: data/synthetic)")
-    parser.add_argument("--train", type=non_negative_int, default=image.num_train,
-                        help=f"train images (default: {image.num_train}, the image recipe's)")
-    parser.add_argument("--val", type=non_negative_int, default=image.num_val,
-                        help=f"validation images (default: {image.num_val}, the image recipe's)")
-    parser.add_argument(
-        "--image-size", type=int, default=image.image_size,
-        help=f"image side in px, >= {MIN_IMAGE_SIZE} (default: {image.image_size}, the recipes')",
-    )
-    parser.add_argument("--seed", type=int, default=0, help="seed; the same seed writes the same bytes (default: 0)")
-    parser.add_argument(
-        "--types",
-        default=",".join(IMAGE_QUESTION_TYPES),
-        help=f"comma-separated image question types (default: {','.join(IMAGE_QUESTION_TYPES)})",
-    )
-    parser.add_argument(
-        "--distractors",
-        type=non_negative_int,
-        default=image.distractors,
-        help=f"at most this many extra shapes in colour/shape/position images, 0..{MAX_DISTRACTORS} "
-        f"(default: {image.distractors}, the image recipe's: one shape per image; 2 makes a harder set)",
-    )
-    parser.add_argument("--video", action="store_true", help="also write the video set (video_train/val.json)")
-    parser.add_argument("--videos", type=non_negative_int, default=video.num_train,
-                        help=f"train videos (default: {video.num_train}, the video recipe's)")
-    parser.add_argument(
-        "--val-videos", type=non_negative_int, default=None,
-        help=f"validation videos (default: {video.num_val}, the video recipe's, with the default --videos; "
-        "else a tenth of --videos)",
-    )
-    parser.add_argument("--frames", type=int, default=video.frames, help=f"frames per video (default: {video.frames})")
-    parser.add_argument("--captions", action="store_true",
-                        help="also a caption record per training sample, every object in words (the video recipe's "
-                             "training sets have them; default: off)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.set_defaults(run=run_make_data)
-    return parser
-
-
-def run_make_data(args: argparse.Namespace) -> int:
-    """Generate the set from parsed flags and print what was written; bad values are one
-    `error:` line and exit status 2."""
-    from vlmod.paths import check_output_dir
-    from vlmod.recipe import RecipeSettings
-
-    video = RecipeSettings.for_task("video")
-    if args.val_videos is None and args.videos == video.num_train:
-        args.val_videos = video.num_val  # the video recipe's set
-    try:
-        check_output_dir(args.out, "--out")
-        summary = generate(
-            args.out,
-            args.train,
-            args.val,
-            image_size=args.image_size,
-            seed=args.seed,
-            video=args.video,
-            num_videos=args.videos,
-            num_val_videos=args.val_videos,
-            num_frames=args.frames,
-            distractors=args.distractors,
-            captions=args.captions,
-            question_types=[t.strip() for t in args.types.split(",") if t.strip()],
-            progress=not args.no_progress,
-        )
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(summary.describe())
-    return 0
-
-
 __all__ = [
     "ANSWERS", "COLORS", "IMAGE_QUESTION_TYPES", "QUESTIONS", "SHAPES", "TEMPORAL_TYPES", "VIDEO_FPS",
-    "VIDEO_QUESTION_TYPES", "SyntheticSummary", "add_make_data_arguments", "background", "caption", "cell_of", "generate",
-    "image_sample", "paint", "run_make_data", "shape_alpha", "shape_points", "video_sample",
+    "VIDEO_QUESTION_TYPES", "SyntheticSummary", "background", "caption", "cell_of", "generate",
+    "image_sample", "paint", "shape_alpha", "shape_points", "video_sample",
 ]

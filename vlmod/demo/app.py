@@ -45,23 +45,26 @@ import tempfile
 import threading
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
-from starlette.datastructures import UploadFile
+from starlette.datastructures import FormData, UploadFile
 from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from vlmod.demo.analysis import TIMING_RUNS, AnalysisError, analyze, load_model, warm_up
+from vlmod.demo.analysis import analyze
 from vlmod.demo.checkpoints import resolve_checkpoint
-from vlmod.demo.examples import EXAMPLES_DIR, about_model, load_examples
+from vlmod.demo.examples import EXAMPLES_DIR, Example, about_model, load_examples
+from vlmod.demo.guards import BodyLimit, BodyTooLarge, WorkGate, error, save_upload, too_large
+from vlmod.demo.inference import TIMING_RUNS, warm_up
+from vlmod.demo.layout import AnalysisError
 from vlmod.demo.media import (
     MAX_ASPECT,
     MAX_PIXELS,
@@ -71,6 +74,7 @@ from vlmod.demo.media import (
     processor_resized_pixels,
     release_memory,
 )
+from vlmod.demo.model import LoadedModel, load_model
 
 HERE = Path(__file__).parent
 STATIC_DIR = HERE / "static"
@@ -84,74 +88,12 @@ class DemoSetupError(RuntimeError):
     """The demo cannot start: no model to serve."""
 
 
-class _BodyTooLarge(Exception):
-    pass
+class Refusal(Exception):
+    """A request the demo answers with `{"error": message}` and a 4xx status."""
 
-
-class WorkGate:
-    """At most `active` requests inside the heavy section (decode + model), at most `waiting` more
-    queued for it; `enter` is False when both are full (the caller answers 503). Thread-based, so
-    it does not depend on which event loop serves the request."""
-
-    def __init__(self, active: int, waiting: int) -> None:
-        self.active, self.waiting = active, waiting
-        self._slots = threading.Semaphore(active)
-        self._lock = threading.Lock()
-        self._admitted = 0
-
-    def admit(self) -> bool:
-        with self._lock:
-            if self._admitted >= self.active + self.waiting:
-                return False
-            self._admitted += 1
-            return True
-
-    def leave(self) -> None:
-        with self._lock:
-            self._admitted -= 1
-
-    def acquire(self) -> None:
-        self._slots.acquire()
-
-    def release(self) -> None:
-        self._slots.release()
-
-
-def _error(message: str, status: int) -> JSONResponse:
-    return JSONResponse({"error": message}, status_code=status)
-
-
-class BodyLimit:
-    """Refuse request bodies over `limit` bytes: by Content-Length up front, else while reading."""
-
-    def __init__(self, app: ASGIApp, limit: int) -> None:
-        self.app = app
-        self.limit = limit
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
-            await self.app(scope, receive, send)
-            return
-        headers = dict(scope["headers"])
-        length = headers.get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.limit:
-            await _too_large(self.limit)(scope, receive, send)
-            return
-        seen = 0
-
-        async def counted() -> Message:
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.limit:
-                raise _BodyTooLarge
-            return message
-
-        await self.app(scope, counted, send)
-
-
-def _too_large(limit: int) -> JSONResponse:
-    return _error(f"the upload is too large: the demo takes files up to {limit / 2**20:.0f} MB", 413)
+    def __init__(self, response: JSONResponse) -> None:
+        super().__init__()
+        self.response = response
 
 
 def resolve_model_dirs(
@@ -171,6 +113,35 @@ def resolve_model_dirs(
     if dense is None and (DEFAULT_DENSE_DIR / "config.json").is_file():
         dense = DEFAULT_DENSE_DIR
     return DEFAULT_MODEL_DIR, dense
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask of the server, and how many run at once (see `create_app`)."""
+
+    max_upload: int  # bytes
+    max_new_tokens: int
+    num_frames: int
+    timing_runs: int
+    max_pixels: int
+    max_aspect: float
+    max_resized_pixels: int
+    max_active: int
+    max_waiting: int
+
+    def report(self) -> dict[str, Any]:
+        """The `limits` of /api/health."""
+        return {
+            "max_upload_bytes": self.max_upload,
+            "max_prompt_chars": MAX_PROMPT_CHARS,
+            "max_new_tokens": self.max_new_tokens,
+            "num_frames": self.num_frames,
+            "timing_runs": self.timing_runs,
+            "max_pixels": self.max_pixels,
+            "max_aspect": self.max_aspect,
+            "max_active": self.max_active,
+            "max_waiting": self.max_waiting,
+        }
 
 
 def create_app(
@@ -195,162 +166,127 @@ def create_app(
 
     The model loads here, so a bad checkpoint fails at start, not on the first request; with
     `timing_runs` > 0 both models are warmed up here and each request times them fairly
-    (`vlmod.demo.analysis.measure_latency`), 0 reports no latency.
+    (`vlmod.demo.inference.measure_latency`), 0 reports no latency.
     max_active / max_waiting: requests decoding or running at once / queued for a turn (the rest
     get 503): what bounds the server's memory under parallel uploads.
     """
+    limits = Limits(
+        max_upload=int(max_upload_mb * 2**20), max_new_tokens=max_new_tokens, num_frames=num_frames,
+        timing_runs=timing_runs, max_pixels=max_pixels, max_aspect=max_aspect,
+        max_resized_pixels=max_resized_pixels, max_active=max_active, max_waiting=max_waiting,
+    )
     model_path, dense_path = resolve_model_dirs(model_dir, dense_dir)
     loaded = load_model(model_path, dense_path, device=device)
     if timing_runs > 0:
         warm_up(loaded)  # before any request is timed: latency is reported only once this ran
     about = about_model(loaded, embedded=model_path == DEFAULT_MODEL_DIR)
-    examples = load_examples(examples_dir)
-    max_upload = int(max_upload_mb * 2**20)
-    model_lock = threading.Lock()
-    placeholders = _placeholder_tokens(loaded.processor)
-    gate = WorkGate(max_active, max_waiting)
-    shape_limits = {
-        "max_aspect": max_aspect, "max_resized_pixels": max_resized_pixels,
-        "resized_pixels": processor_resized_pixels(loaded.processor),
-    }
     if tmp_dir is not None:
         Path(tmp_dir).mkdir(parents=True, exist_ok=True)
+    demo = Demo(loaded, about, load_examples(examples_dir), examples_dir, limits, tmp_dir)
+    return demo.app()
 
-    def run_model(media: Any, prompt: str) -> dict[str, Any]:
-        """In a worker thread: wait for the model, then analyse (one request at a time)."""
-        start = time.perf_counter()
-        with model_lock:
-            waited = time.perf_counter() - start
-            result = analyze(loaded, media, prompt, max_new_tokens=max_new_tokens, timing_runs=timing_runs)
-        result["stats"]["latency_s"]["queue"] = waited
-        return result
 
-    def decode_and_run(path: Path, prompt: str, received: float) -> tuple[dict[str, Any], float]:
-        """In a worker thread, inside one of the gate's slots: decode, then `run_model`. The decoded
-        pictures live only in here, so at most `max_active` exist at once; their memory goes back
-        to the system before the slot is given up. Returns (result, decode seconds)."""
-        start = time.perf_counter()
-        gate.acquire()
-        try:
-            waited = time.perf_counter() - start
-            media = decode_media(path, num_frames, max_pixels, **shape_limits)
-            decoded = time.perf_counter() - received - waited
-            result = run_model(media, prompt)
-            result["stats"]["latency_s"]["queue"] += waited
-            return result, decoded
-        finally:
-            media = None
-            release_memory()
-            gate.release()
+class Demo:
+    """The served model and the request handlers over it."""
 
-    async def index(request: Request) -> Response:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        about: dict[str, Any],
+        examples: dict[str, Example],
+        examples_dir: Path,
+        limits: Limits,
+        tmp_dir: str | Path | None,
+    ) -> None:
+        self.loaded, self.about, self.limits, self.tmp_dir = loaded, about, limits, tmp_dir
+        self.examples, self.examples_dir = examples, examples_dir
+        self.model_lock = threading.Lock()
+        self.gate = WorkGate(limits.max_active, limits.max_waiting)
+        self.placeholders = _placeholder_tokens(loaded.processor)
+        self.shape_limits = {
+            "max_aspect": limits.max_aspect, "max_resized_pixels": limits.max_resized_pixels,
+            "resized_pixels": processor_resized_pixels(loaded.processor),
+        }
+
+    def app(self) -> Starlette:
+        """The Starlette app: the page, the static files and the JSON API, behind the body cap."""
+        routes = [
+            Route("/", self.index),
+            Route("/api/health", self.health),
+            Route("/api/examples", self.list_examples),
+            Route("/api/examples/{name}", self.example_file),
+            Route("/api/analyze", self.analyze, methods=["POST"]),
+            Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),
+        ]
+        handlers: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {HTTPException: _http_error}
+        app = Starlette(routes=routes, exception_handlers=handlers)
+        app.add_middleware(BodyLimit, limit=self.limits.max_upload + FORM_OVERHEAD)
+        app.state.loaded = self.loaded
+        app.state.examples = self.examples
+        return app
+
+    # -- the small routes ----------------------------------------------------------------------
+
+    async def index(self, request: Request) -> Response:
         return FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
 
-    async def health(request: Request) -> Response:
+    async def health(self, request: Request) -> Response:
         return JSONResponse(
             {
                 "status": "ok",
-                "model": {**loaded.describe(), "about": about},
-                "limits": {
-                    "max_upload_bytes": max_upload,
-                    "max_prompt_chars": MAX_PROMPT_CHARS,
-                    "max_new_tokens": max_new_tokens,
-                    "num_frames": num_frames,
-                    "timing_runs": timing_runs,
-                    "max_pixels": max_pixels,
-                    "max_aspect": max_aspect,
-                    "max_active": max_active,
-                    "max_waiting": max_waiting,
-                },
-                "examples": len(examples),
+                "model": {**self.loaded.describe(), "about": self.about},
+                "limits": self.limits.report(),
+                "examples": len(self.examples),
             }
         )
 
-    async def list_examples(request: Request) -> Response:
+    async def list_examples(self, request: Request) -> Response:
         return JSONResponse(
             {
                 "examples": [
                     {"name": e.name, "kind": e.kind, "prompt": e.prompt, "answer": e.answer,
                      "url": f"/api/examples/{e.name}"}
-                    for e in examples.values()
+                    for e in self.examples.values()
                 ]
             }
         )
 
-    async def example_file(request: Request) -> Response:
-        example = examples.get(request.path_params["name"])
+    async def example_file(self, request: Request) -> Response:
+        example = self.examples.get(request.path_params["name"])
         if example is None:
-            return _error(f"unknown example; choose one of: {', '.join(examples) or 'none bundled'}", 404)
-        return FileResponse(example.path(examples_dir), media_type=example.media_type)
+            return error(f"unknown example; choose one of: {', '.join(self.examples) or 'none bundled'}", 404)
+        return FileResponse(example.path(self.examples_dir), media_type=example.media_type)
 
-    async def analyze_route(request: Request) -> Response:
-        if not gate.admit():
+    # -- POST /api/analyze: admit, read the form, check the prompt, find the input, run -------
+
+    async def analyze(self, request: Request) -> Response:
+        if not self.gate.admit():
             return JSONResponse(
-                {"error": f"the demo is busy ({gate.active + gate.waiting} requests in progress); try again in a few seconds"},
+                {"error": f"the demo is busy ({self.gate.active + self.gate.waiting} requests in progress); try again in a few seconds"},
                 status_code=503, headers={"Retry-After": "5"},
             )
         try:
-            return await _analyze(request)
+            return await self._analyze(request)
+        except Refusal as refusal:
+            return refusal.response
         finally:
-            gate.leave()
+            self.gate.leave()
 
-    async def _analyze(request: Request) -> Response:
+    async def _analyze(self, request: Request) -> Response:
         received = time.perf_counter()
-        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
-        if kind not in ("multipart/form-data", "application/x-www-form-urlencoded"):
-            return _error(
-                f"send multipart/form-data with a prompt and a file or an example, not {kind or 'a body without a content type'}",
-                400,
-            )
+        form = await self._read_form(request)
+        workdir = Path(tempfile.mkdtemp(prefix="vlmod-demo-", dir=self.tmp_dir))
         try:
-            form = await request.form(max_files=1, max_fields=8, max_part_size=FORM_OVERHEAD)
-        except _BodyTooLarge:
-            return _too_large(max_upload)
-        except MultiPartException as err:
-            return _error(f"bad form data: {err}", 400)
-        except (AssertionError, ValueError) as err:  # no / wrong content type
-            return _error(f"send multipart/form-data with a prompt and a file or an example ({err})", 400)
-        workdir = Path(tempfile.mkdtemp(prefix="vlmod-demo-", dir=tmp_dir))
-        try:
-            prompt = form.get("prompt")
-            if not isinstance(prompt, str) or not prompt.strip():
-                return _error("the prompt is empty: ask a question about the picture", 400)
-            prompt = prompt.strip()
-            if len(prompt) > MAX_PROMPT_CHARS:
-                return _error(f"the prompt is too long ({len(prompt)} characters, at most {MAX_PROMPT_CHARS})", 400)
-            found = [t for t in placeholders if t in prompt]
-            if found:
-                return _error(
-                    f"the prompt contains {', '.join(found)}: image/video placeholders are added by the demo, "
-                    "ask your question in plain text", 400,
-                )
-            upload, name = form.get("file"), form.get("example")
-            has_upload = isinstance(upload, UploadFile) and bool(upload.filename or upload.size)
-            if upload is not None and not isinstance(upload, UploadFile):
-                return _error("'file' must be an uploaded file", 400)
-            if has_upload and name:
-                return _error("send either a file or an example name, not both", 400)
-            if has_upload:
-                path = workdir / "upload"  # never the client's file name
-                size = await _save_upload(upload, path, max_upload)
-                if size is None:
-                    return _too_large(max_upload)
-                source: dict[str, Any] = {"upload": {"bytes": size}}
-            elif name:
-                example = examples.get(str(name))
-                if example is None:
-                    return _error(f"unknown example {str(name)[:60]!r}; choose one of: {', '.join(examples)}", 404)
-                path, source = example.path(examples_dir), {"example": example.name}
-            else:
-                return _error("no input: upload an image or a video, or pick an example", 400)
+            prompt = self._prompt(form)
+            path, source = await self._input(form, workdir)
             try:
-                result, decoded = await run_in_threadpool(decode_and_run, path, prompt, received)
+                result, decoded = await run_in_threadpool(self.decode_and_run, path, prompt, received)
             except MediaError as err:
-                return _error(str(err), err.status)
+                return error(str(err), err.status)
             except AnalysisError as err:
-                return _error(f"this model's token layout is not supported by the demo: {err}", 422)
+                return error(f"this model's token layout is not supported by the demo: {err}", 422)
             except ValueError as err:  # the processor or the model refused this prompt / picture
-                return _error(f"the model could not process this input: {str(err).splitlines()[0][:300]}", 422)
+                return error(f"the model could not process this input: {str(err).splitlines()[0][:300]}", 422)
         finally:
             await form.close()
             shutil.rmtree(workdir, ignore_errors=True)
@@ -358,24 +294,96 @@ def create_app(
         result["stats"]["latency_s"]["decode"] = decoded
         return JSONResponse(result)
 
-    async def http_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, HTTPException)
-        return _error(exc.detail or "error", exc.status_code)
+    async def _read_form(self, request: Request) -> FormData:
+        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if kind not in ("multipart/form-data", "application/x-www-form-urlencoded"):
+            raise Refusal(error(
+                f"send multipart/form-data with a prompt and a file or an example, not {kind or 'a body without a content type'}",
+                400,
+            ))
+        try:
+            return await request.form(max_files=1, max_fields=8, max_part_size=FORM_OVERHEAD)
+        except BodyTooLarge:
+            raise Refusal(too_large(self.limits.max_upload)) from None
+        except MultiPartException as err:
+            raise Refusal(error(f"bad form data: {err}", 400)) from None
+        except (AssertionError, ValueError) as err:  # no / wrong content type
+            raise Refusal(error(f"send multipart/form-data with a prompt and a file or an example ({err})", 400)) from None
 
-    routes = [
-        Route("/", index),
-        Route("/api/health", health),
-        Route("/api/examples", list_examples),
-        Route("/api/examples/{name}", example_file),
-        Route("/api/analyze", analyze_route, methods=["POST"]),
-        Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),
-    ]
-    handlers: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {HTTPException: http_error}
-    app = Starlette(routes=routes, exception_handlers=handlers)
-    app.add_middleware(BodyLimit, limit=max_upload + FORM_OVERHEAD)
-    app.state.loaded = loaded
-    app.state.examples = examples
-    return app
+    def _prompt(self, form: FormData) -> str:
+        prompt = form.get("prompt")
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise Refusal(error("the prompt is empty: ask a question about the picture", 400))
+        prompt = prompt.strip()
+        if len(prompt) > MAX_PROMPT_CHARS:
+            raise Refusal(error(f"the prompt is too long ({len(prompt)} characters, at most {MAX_PROMPT_CHARS})", 400))
+        found = [t for t in self.placeholders if t in prompt]
+        if found:
+            raise Refusal(error(
+                f"the prompt contains {', '.join(found)}: image/video placeholders are added by the demo, "
+                "ask your question in plain text", 400,
+            ))
+        return prompt
+
+    async def _input(self, form: FormData, workdir: Path) -> tuple[Path, dict[str, Any]]:
+        """(the file to decode, the result's `source`): the upload, saved under a fixed name in
+        `workdir`, or a bundled example by name."""
+        upload, name = form.get("file"), form.get("example")
+        has_upload = isinstance(upload, UploadFile) and bool(upload.filename or upload.size)
+        if upload is not None and not isinstance(upload, UploadFile):
+            raise Refusal(error("'file' must be an uploaded file", 400))
+        if has_upload and name:
+            raise Refusal(error("send either a file or an example name, not both", 400))
+        if has_upload:
+            path = workdir / "upload"  # never the client's file name
+            size = await save_upload(upload, path, self.limits.max_upload)
+            if size is None:
+                raise Refusal(too_large(self.limits.max_upload))
+            return path, {"upload": {"bytes": size}}
+        if name:
+            example = self.examples.get(str(name))
+            if example is None:
+                raise Refusal(error(f"unknown example {str(name)[:60]!r}; choose one of: {', '.join(self.examples)}", 404))
+            return example.path(self.examples_dir), {"example": example.name}
+        raise Refusal(error("no input: upload an image or a video, or pick an example", 400))
+
+    # -- the heavy section, in worker threads ----------------------------------------------------
+
+    def decode_and_run(self, path: Path, prompt: str, received: float) -> tuple[dict[str, Any], float]:
+        """Inside one of the gate's slots: decode, then `run_model`. The decoded pictures live only
+        in here, so at most `max_active` exist at once; their memory goes back to the system before
+        the slot is given up. Returns (result, decode seconds)."""
+        start = time.perf_counter()
+        self.gate.acquire()
+        try:
+            waited = time.perf_counter() - start
+            limits = self.limits
+            media = decode_media(path, limits.num_frames, limits.max_pixels, **self.shape_limits)
+            decoded = time.perf_counter() - received - waited
+            result = self.run_model(media, prompt)
+            result["stats"]["latency_s"]["queue"] += waited
+            return result, decoded
+        finally:
+            media = None
+            release_memory()
+            self.gate.release()
+
+    def run_model(self, media: Any, prompt: str) -> dict[str, Any]:
+        """Wait for the model, then analyse (one request at a time)."""
+        start = time.perf_counter()
+        with self.model_lock:
+            waited = time.perf_counter() - start
+            result = analyze(
+                self.loaded, media, prompt, max_new_tokens=self.limits.max_new_tokens,
+                timing_runs=self.limits.timing_runs,
+            )
+        result["stats"]["latency_s"]["queue"] = waited
+        return result
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    return error(exc.detail or "error", exc.status_code)
 
 
 def _placeholder_tokens(processor: Any) -> list[str]:
@@ -387,21 +395,6 @@ def _placeholder_tokens(processor: Any) -> list[str]:
         if isinstance(token, str) and token:
             tokens.add(token)
     return sorted(tokens)
-
-
-async def _save_upload(upload: UploadFile, path: Path, limit: int) -> int | None:
-    """Copy an upload to `path` in chunks; None (and nothing kept) when it is over `limit` bytes."""
-    size = 0
-    with path.open("wb") as out:
-        while chunk := await upload.read(1 << 20):
-            size += len(chunk)
-            if size > limit:
-                break
-            out.write(chunk)
-    if size > limit:
-        path.unlink(missing_ok=True)
-        return None
-    return size
 
 
 def serve(

@@ -8,7 +8,6 @@ timestamps). The server serves only the names listed in `examples.json`, never a
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 from collections.abc import Sequence
@@ -64,7 +63,7 @@ def write_examples(out_dir: str | Path = EXAMPLES_DIR, specs: Sequence[ExampleSp
     from PIL import Image
 
     from vlmod.data.synthetic import VIDEO_FPS, image_sample, video_sample
-    from vlmod.video import write_video
+    from vlmod.data.video import write_video
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -141,14 +140,7 @@ def about_model(loaded: Any, embedded: bool) -> dict[str, Any]:
     }
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Regenerate the demo's bundled example pictures and clip.")
-    parser.add_argument("--out", default=str(EXAMPLES_DIR), help=f"output folder (default: {EXAMPLES_DIR})")
-    args = parser.parse_args(argv)
-    for path in write_examples(args.out):
-        print(f"wrote {path} ({path.stat().st_size:,} bytes)")
-    return 0
+if __name__ == "__main__":  # `python -m vlmod.demo.examples`: its flag lives in vlmod.cli.examples
+    from vlmod.cli.examples import examples_main
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(examples_main(write_examples, EXAMPLES_DIR))

@@ -209,10 +209,10 @@ def video_frame_size(path: Path) -> tuple[int, int] | None:
 
 
 def decode_video(path: Path, num_frames: int, max_pixels: int = MAX_PIXELS, **shape: Any) -> Media:
-    """`num_frames` frames sampled uniformly from the video in `path` (vlmod.video); a video whose
+    """`num_frames` frames sampled uniformly from the video in `path` (vlmod.data.video); a video whose
     headers give frames over `max_pixels` or of a shape `check_shape(**shape)` refuses is refused
     before any frame is decoded."""
-    from vlmod.video import VideoError, load_video
+    from vlmod.data.video import VideoError, load_video
 
     size = video_frame_size(path)
     if size is not None:

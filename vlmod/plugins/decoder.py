@@ -1,26 +1,41 @@
-"""The language part of a Hugging Face vision-language model beyond LLaVA (Qwen2.5-VL, Qwen3-VL,
+"""The language part of a Hugging Face vision-language model (LLaVA, Qwen2.5-VL, Qwen3-VL,
 InternVL, Gemma 3): what their plugins share.
 
-Their decoder layers take the call LLaVA's do (`hidden_states, attention_mask, position_ids,
-past_key_values, position_embeddings`), the language model sits at `model.model.language_model`
-and the image / video placeholder ids in the top-level config, so the LLaVA plugin's
-`DecoderAdapter` (token types from a pre-hook on the top-level model, gathered positions and RoPE,
-a per-layer mask and routed KV cache) serves them as it is; a family file says only what differs.
+Their decoder layers take one call (`hidden_states, attention_mask, position_ids, past_key_values,
+position_embeddings`), the language model sits at `model.model.language_model` and the image /
+video placeholder ids in the top-level config, so one `DecoderAdapter` serves them all; a family
+file says only what differs.
+
+Token types are computed above the language model, in a pre-hook of the top-level model (which
+sees `input_ids`, `labels`, the 2D attention mask and the cache), so `generate()` runs
+unchanged. Each MoD decoder layer then gets the gathered hidden states with their original
+position ids and RoPE cos/sin, and a mask of its own: causal by original position over the
+tokens this layer processed, this layer's cached tokens included. A MoD layer's KV cache holds
+only the tokens it processed.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
+import inspect
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from vlmod.config import MoDConfig
-from vlmod.plugins import PartSpec, hf_vision
-from vlmod.plugins.llava import DecoderAdapter
+import vlmod.plugins.hf_vision as hf_vision
+from vlmod.config import MoDConfig, TokenType
+from vlmod.plugins.base import PartSpec
+from vlmod.plugins.calls import ArgSlot, cache_name, cache_of
+from vlmod.routing import masks
+from vlmod.routing.attention import AttentionQK
+from vlmod.routing.layer import MoDPart
+from vlmod.routing.selection import Selection, TokenLayout
+
+ATTENTION = ("eager", "sdpa", "flash_attention_2")
+IGNORE_INDEX = -100
 
 
 def language_part(
@@ -77,81 +92,355 @@ def check_part(model: nn.Module, part: str | None) -> str:
     return part
 
 
-def vlm_plugins() -> list:
-    """The plugins of whole vision-language models (a language part, maybe a vision part)."""
-    from vlmod.plugins import gemma3, internvl, llava, qwen_vl
+@dataclass
+class _Batch:
+    """What the current forward's MoD layers share."""
 
-    return [llava, qwen_vl, internvl, gemma3]
-
-
-def vlm_classes() -> tuple[type, ...]:
-    """Every top-level model class `vlmod convert` accepts."""
-    return tuple(cls for plugin in vlm_plugins() for cls in plugin._classes())
+    layout: TokenLayout
+    positions: Tensor  # [B, L] absolute index in the (padded) sequence: orders keys causally
+    past: int = 0  # tokens cached before this forward: positions[b, i] = past + i
 
 
-def vlm_families() -> list[str]:
-    return [f for plugin in vlm_plugins() for f in plugin.FAMILIES]
+class _KeySlots:
+    """Absolute positions and validity of the slots one MoD layer's KV cache holds, kept as the
+    chunks each forward appended: a decode step appends a reference, no copy; chunks are joined
+    only when a mask needs them. Unpacks as (positions, validity or None)."""
+
+    def __init__(self) -> None:
+        self.pos: list[Tensor] = []
+        self.valid: list[Tensor | None] = []
+        self.length = 0
+        self.with_filler = 0  # chunks with a validity tensor: none means every slot is valid
+
+    def append(self, pos: Tensor, valid: Tensor | None) -> None:
+        self.pos.append(pos)
+        self.valid.append(valid)
+        self.length += pos.shape[1]
+        self.with_filler += valid is not None
+
+    def trim(self, n: int, layer_idx: int) -> None:
+        """Keep the first `n` slots (the cache was cropped, or a forward is recomputed)."""
+        if n > self.length:
+            raise RuntimeError(
+                f"the KV cache of MoD layer {layer_idx} holds {n} tokens but vlmod routed {self.length}; "
+                "start generation from an empty cache"
+            )
+        if n < self.length:
+            pos, valid = self.positions(), self.validity()
+            valid = None if valid is None else valid[:, :n]
+            self.pos, self.valid, self.length, self.with_filler = [pos[:, :n]], [valid], n, int(valid is not None)
+
+    def _join(self) -> None:
+        if len(self.pos) > 1:
+            valid = None
+            if self.with_filler:
+                parts = [torch.ones_like(p, dtype=torch.bool) if v is None else v for p, v in zip(self.pos, self.valid, strict=True)]
+                valid = torch.cat(parts, dim=1)
+            self.pos, self.valid, self.with_filler = [torch.cat(self.pos, dim=1)], [valid], int(valid is not None)
+
+    def positions(self) -> Tensor:
+        """[B, n] absolute position of each slot."""
+        self._join()
+        return self.pos[0]
+
+    def validity(self) -> Tensor | None:
+        """[B, n] bool, or None when every slot is valid."""
+        if not self.with_filler:
+            return None
+        self._join()
+        return self.valid[0]
+
+    def __iter__(self) -> Any:
+        return iter((self.positions(), self.validity()))
 
 
-# -- what the commands (rank, finetune, eval, audit, demo) need to know of a family ---------------
+class DecoderAdapter:
+    """Calls a decoder layer of a vision-language model on the routed tokens."""
 
+    def __init__(self, model: nn.Module, layer_cls: type, config: MoDConfig):
+        self.model = model
+        self.config = config
+        self.text_config = model.model.language_model.config
+        self.image_token_id = getattr(model.config, "image_token_id", None)
+        self.video_token_id = getattr(model.config, "video_token_id", None)
+        fwd = layer_cls.forward
+        self.mask_arg = ArgSlot(fwd, "attention_mask")
+        self.position_ids_arg = ArgSlot(fwd, "position_ids")
+        self.rope_arg = ArgSlot(fwd, "position_embeddings")
+        self.cache_arg = ArgSlot(fwd, cache_name(fwd))
+        self.entry_params = [
+            p for p in inspect.signature(type(model).forward).parameters if p != "self"
+        ]
+        self.batch: _Batch | None = None
+        # Per MoD layer: absolute positions and validity of the slots in its KV cache.
+        self.cache_slots: dict[int, Any] = {}
 
-@dataclass(frozen=True)
-class TokenGrid:
-    """One picture's vision tokens on a grid: `tokens` index the sequence's tokens of that kind
-    (image or video) in order, row-major, rows * cols of them; `cell`: the side in model input
-    pixels that one token covers."""
+    # -- token types, once per forward -------------------------------------------------------
 
-    name: str
-    rows: int
-    cols: int
-    tokens: list[int]
-    cell: int
+    def token_types(self, kwargs: dict, past_length: int) -> Tensor:
+        input_ids = kwargs.get("input_ids")
+        embeds = kwargs.get("inputs_embeds")
+        if input_ids is not None:
+            is_image = input_ids == self.image_token_id
+            is_video = input_ids == self.video_token_id if self.video_token_id is not None else None
+            ref = input_ids
+        elif embeds is not None:
+            table = self.model.get_input_embeddings()
+            is_image = self._matches_token(embeds, table, self.image_token_id)
+            is_video = self._matches_token(embeds, table, self.video_token_id)
+            ref = embeds[..., 0]
+        else:
+            raise ValueError("the model was called with neither input_ids nor inputs_embeds")
+        batch, length = ref.shape
+        text = TokenType.RESPONSE if past_length > 0 else TokenType.INSTRUCTION
+        types = torch.full((batch, length), int(text), dtype=torch.long, device=ref.device)
+        labels = kwargs.get("labels")
+        if labels is not None and past_length == 0:
+            if labels.shape != (batch, length):
+                raise ValueError(
+                    f"labels have shape {tuple(labels.shape)} but the inputs have {(batch, length)}; "
+                    "give one label per input token (-100 where no loss is wanted)"
+                )
+            types = torch.where(labels.to(ref.device) != IGNORE_INDEX, int(TokenType.RESPONSE), types)
+        types = types.masked_fill(is_image, int(TokenType.IMAGE))
+        if is_video is not None:
+            types = types.masked_fill(is_video, int(TokenType.VIDEO))
+        mask = kwargs.get("attention_mask")
+        if mask is not None and mask.dim() == 2:
+            types = types.masked_fill(mask[:, -length:].to(ref.device) == 0, int(TokenType.PADDING))
+        return types
 
+    @staticmethod
+    def _matches_token(embeds: Tensor, table: nn.Module, token_id: int | None) -> Tensor | None:
+        if token_id is None:
+            return None
+        ref = table(torch.tensor(token_id, device=embeds.device)).to(embeds.dtype)
+        return (embeds == ref).all(-1)
 
-def vlm_plugin(model: nn.Module) -> Any:
-    """The plugin module of a whole vision-language model, or None (an encoder, another model)."""
-    return next((p for p in vlm_plugins() if p.matches(model)), None)
+    def begin_forward(self, part: MoDPart, args: tuple, kwargs: dict) -> None:
+        if args:
+            kwargs = {**dict(zip(self.entry_params, args, strict=False)), **kwargs}
+        cache = cache_of(kwargs)
+        past_length = int(cache.get_seq_length(0)) if cache is not None else 0
+        types = self.token_types(kwargs, past_length)
+        routable = part.config.routable_types
+        decoding = past_length > 0
+        if decoding and TokenType.RESPONSE in routable and part.config.aux_loss != "bce":
+            # A decode token cannot be ranked against tokens not yet generated: without the
+            # causal predictor it always runs.
+            routable = tuple(t for t in routable if t != TokenType.RESPONSE)
+        threshold = decoding and TokenType.RESPONSE in routable
+        if decoding and not threshold and types.shape[1] == 1:
+            # A decode step of generate: one new, real token per row, which runs every layer.
+            layout = TokenLayout.all_processed(types, routable)
+        else:
+            layout = TokenLayout.from_types(types, routable, () if threshold else part.capacities.values())
+            layout.threshold = threshold
+        length = types.shape[1]
+        positions = torch.arange(past_length, past_length + length, device=types.device).expand_as(types)
+        self.batch = _Batch(layout=layout, positions=positions, past=past_length)
 
+    def end_forward(self, part: MoDPart, output: Any) -> Any:
+        loss = getattr(output, "loss", None)
+        if loss is not None and part.config.aux_loss and part.aux_losses:
+            aux = torch.stack(list(part.aux_losses.values())).mean()
+            output["loss"] = loss + part.config.aux_loss_weight * aux.to(loss.dtype)
+        return output
 
-def own_positions(model: nn.Module) -> bool:
-    """True when the model numbers its positions itself from the processor's outputs (Qwen's
-    multimodal RoPE): a caller must not pass `position_ids` then, not even for left padding."""
-    return bool(getattr(vlm_plugin(model), "OWN_POSITIONS", False))
+    # -- per layer ---------------------------------------------------------------------------
 
+    def hidden_states(self, args: tuple, kwargs: dict) -> Tensor:
+        return args[0] if args else kwargs["hidden_states"]
 
-def token_grids(
-    model: nn.Module, inputs: dict[str, Any], sizes: Sequence[tuple[int, int]], as_video: bool = False
-) -> list[list[TokenGrid]] | None:
-    """Per picture of one prompt, its token grids (the first covers the whole picture), from the
-    processor's `inputs` and each picture's (width, height); None when the family's plugin has no
-    layout of its own (LLaVA: the demo works its layouts out from token counts)."""
-    layout = getattr(vlm_plugin(model), "token_grids", None)
-    return None if layout is None else layout(model, inputs, sizes, as_video)
+    def layout(self, part: MoDPart, x: Tensor, args: tuple, kwargs: dict) -> TokenLayout:
+        if self.batch is None or self.batch.layout.shape != tuple(x.shape[:2]):
+            raise RuntimeError(
+                "MoD language layers need the token types computed by the top-level model: call the "
+                f"{type(self.model).__name__} itself (or generate), not its inner language model"
+            )
+        return self.batch.layout
 
+    def run(
+        self, upstream: Callable, x_sel: Tensor, sel: Selection, args: tuple, kwargs: dict, layer_idx: int
+    ) -> Tensor:
+        if sel.index is None and self.batch.layout.every_token and not self.own_keys:
+            return self._run_decode_step(upstream, x_sel, args, kwargs, layer_idx)
+        args, kwargs = list(args), dict(kwargs)
+        if args:
+            args[0] = x_sel
+        else:
+            kwargs["hidden_states"] = x_sel
+        query_pos = self.batch.positions
+        if sel.index is not None:  # every token runs (a decode step): positions stay as they are
+            # `gather` takes the [1, L] / [1, L, d] tensors shared by every row as they are.
+            position_ids = self.position_ids_arg.get(args, kwargs)
+            if position_ids is not None:
+                self.position_ids_arg.set(args, kwargs, sel.gather(position_ids))
+            rope = self.rope_arg.get(args, kwargs)
+            if rope is not None:
+                self.rope_arg.set(args, kwargs, (sel.gather(rope[0]), sel.gather(rope[1])))
+            # positions[b, i] = past + i: the selected ones are the index itself, shifted.
+            past = self.batch.past
+            query_pos = sel.index if past == 0 else sel.index + past
+        cache = self.cache_arg.get(args, kwargs)
+        if self.own_keys:
+            mask = self._keys_then_mask(layer_idx, cache, query_pos, sel.valid, x_sel.dtype)
+        else:
+            mask = self._slot_mask(layer_idx, cache, query_pos, sel.valid, x_sel.dtype)
+        self.mask_arg.set(args, kwargs, mask)
+        return upstream(*args, **kwargs)
 
-def token_runs(input_ids: Tensor, token_id: int) -> list[int]:
-    """Lengths of the runs of `token_id` in a 1-D `input_ids`, in order (one run per picture in
-    families that bracket each picture's tokens with begin / end tokens)."""
-    hit = (input_ids == token_id).long()
-    edges = torch.diff(torch.cat([hit.new_zeros(1), hit, hit.new_zeros(1)]))
-    starts, ends = torch.nonzero(edges == 1).flatten(), torch.nonzero(edges == -1).flatten()
-    return (ends - starts).tolist()
+    def _run_decode_step(self, upstream: Callable, x: Tensor, args: tuple, kwargs: dict, layer_idx: int) -> Tensor:
+        """A decode step of generate (one new token per row, which runs): the states, positions and
+        RoPE are the block's own, and unless the cache holds filler slots (a batch whose rows
+        processed different numbers of tokens) the one query sees every cached key, so no mask.
+        Only the key-slot record grows, by a reference. This path runs per MoD layer and token, so
+        it does no more than that: every operation here costs as much as a small tensor op."""
+        cache = self.cache_arg.get(args, kwargs)
+        slots = self.cache_slots.get(layer_idx)
+        if slots is None or slots.with_filler or cache.get_seq_length(layer_idx) != slots.length:
+            # Filler slots to mask, or a cache vlmod did not fill in step: the general path (which
+            # also says what went wrong).
+            mask = self._slot_mask(layer_idx, cache, self.batch.positions, None, x.dtype)
+        else:
+            slots.append(self.batch.positions, None)
+            mask = None
+        if mask is None and self.mask_arg.get(args, kwargs) is None:
+            return upstream(*args, **kwargs)
+        args, kwargs = list(args), dict(kwargs)
+        self.mask_arg.set(args, kwargs, mask)
+        return upstream(*args, **kwargs)
 
+    # A subclass with key bookkeeping or a mask of its own (Gemma 3's sliding windows) sets this, or
+    # gets it by overriding `_cached_keys` / `_mask`: its layers then always go through both.
+    own_keys = False
 
-def square_grids(runs: Sequence[int], per_picture: int, cell: int) -> list[list[TokenGrid]]:
-    """Fixed square grids of `per_picture` tokens, one per picture (Gemma 3)."""
-    side = math.isqrt(per_picture)
-    grids, start = [], 0
-    for run in runs:
-        for first in range(start, start + run, per_picture):
-            grids.append([TokenGrid("tokens", side, side, list(range(first, first + per_picture)), cell)])
-        start += run
-    return grids
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "_cached_keys" in cls.__dict__ or "_mask" in cls.__dict__:
+            cls.own_keys = True
 
+    def _keys_then_mask(
+        self, layer_idx: int, cache: Any, query_pos: Tensor, query_valid: Tensor | None, dtype: torch.dtype
+    ) -> Tensor | None:
+        key_pos, key_valid, cached = self._cached_keys(layer_idx, cache, query_pos, query_valid)
+        impl = self.text_config._attn_implementation
+        if impl != "eager" and key_valid is None and (cached == 0 or query_pos.shape[1] == 1):
+            # No filler slot anywhere and every key precedes its query: plain causal attention,
+            # which sdpa and flash run without a mask (is_causal).
+            return None
+        return self._mask(query_pos, key_pos, key_valid, dtype)
 
-def tower_patches(model: nn.Module, inputs: dict[str, Any]) -> list[int] | None:
-    """Patches of every picture a packed vision tower encodes for `inputs` (Qwen: from the
-    processor's grids), or None where every picture is the tower's fixed patch grid."""
-    count = getattr(vlm_plugin(model), "tower_patches", None)
-    return None if count is None else count(model, inputs)
+    def _slots(self, layer_idx: int, cache: Any) -> tuple[_KeySlots | None, int]:
+        """This layer's key slots trimmed to what its cache holds (which also covers recomputation
+        and resets; a fresh record when the cache is empty), and that count."""
+        if cache is None:
+            return None, 0
+        cached = int(cache.get_seq_length(layer_idx))
+        slots = self.cache_slots.get(layer_idx) if cached else None
+        if slots is None:
+            if cached:
+                raise RuntimeError(
+                    f"the KV cache of MoD layer {layer_idx} holds {cached} tokens that vlmod did not route; "
+                    "start generation from an empty cache"
+                )
+            slots = self.cache_slots[layer_idx] = _KeySlots()
+        slots.trim(cached, layer_idx)
+        return slots, cached
+
+    def _slot_mask(
+        self, layer_idx: int, cache: Any, query_pos: Tensor, query_valid: Tensor | None, dtype: torch.dtype
+    ) -> Tensor | None:
+        """The mask of this layer's attention over its cached slots and the current queries (which
+        the upstream attention appends to the cache), or None where plain causal attention is
+        right. Key positions are joined only when a mask needs them: a decode step's single query
+        follows every cached key, so only filler slots can need masking then."""
+        slots, cached = self._slots(layer_idx, cache)
+        prev_valid = slots.validity() if cached else None
+        if slots is not None:
+            slots.append(query_pos, query_valid)
+        n_query = query_pos.shape[1]
+        impl = self.text_config._attn_implementation
+        if prev_valid is None and query_valid is None and (n_query == 1 or (cached == 0 and impl != "eager")):
+            return None
+        if n_query == 1 and cached:
+            # The query sees every valid cached key and itself (a filler query stays finite).
+            keys = prev_valid if prev_valid is not None else torch.ones_like(query_pos, dtype=torch.bool).expand(-1, cached)
+            return self._validity_mask(torch.cat([keys, torch.ones_like(query_pos, dtype=torch.bool)], dim=1), dtype)
+        if slots is None:
+            return self._mask(query_pos, query_pos, query_valid, dtype)
+        return self._mask(query_pos, slots.positions(), slots.validity(), dtype)
+
+    def _validity_mask(self, key_valid: Tensor, dtype: torch.dtype) -> Tensor:
+        """The mask of one query per row that may see exactly the keys in `key_valid` [B, n_key]."""
+        impl = self.text_config._attn_implementation
+        if impl == "flash_attention_2":
+            return key_valid.long()
+        return masks.as_attention_mask(key_valid[:, None, None, :], impl, dtype)
+
+    def _cached_keys(
+        self, layer_idx: int, cache: Any, query_pos: Tensor, query_valid: Tensor | None
+    ) -> tuple[Tensor, Tensor | None, int]:
+        """Positions and validity (None: all valid) of every key this layer's attention will see,
+        and how many were cached before: its cached slots and the current queries."""
+        slots, cached = self._slots(layer_idx, cache)
+        if slots is None:
+            return query_pos, query_valid, 0
+        slots.append(query_pos, query_valid)
+        return slots.positions(), slots.validity(), cached
+
+    def _mask(
+        self, query_pos: Tensor, key_pos: Tensor, key_valid: Tensor | None, dtype: torch.dtype
+    ) -> Tensor | None:
+        impl = self.text_config._attn_implementation
+        if impl == "flash_attention_2":
+            # Processed tokens keep their order and the cache precedes the queries, so flash's
+            # bottom-right causal alignment is right; the 2D mask drops the filler slots.
+            return None if key_valid is None else key_valid.long()
+        if impl not in ATTENTION:
+            raise ValueError(
+                f"attention implementation {impl!r} is not supported by MoD layers; use one of {ATTENTION}"
+            )
+        allowed = masks.causal(query_pos, key_pos)
+        if key_valid is not None:
+            allowed = masks.keep_own_slot(allowed & key_valid[:, None, :])
+        return masks.as_attention_mask(allowed.unsqueeze(1), impl, dtype)
+
+    def output(self, out: Tensor, args: tuple, kwargs: dict) -> Any:
+        return out
+
+    # -- the attention router: instruction tokens are the queries ------------------------------
+
+    def check_attention_router(self, blocks: list[nn.Module]) -> None:
+        for block in blocks:
+            attn = getattr(block, "self_attn", None)
+            needed = ("q_proj", "k_proj", "head_dim", "scaling")
+            if not hasattr(block, "input_layernorm") or not all(hasattr(attn, a) for a in needed):
+                raise ValueError(
+                    f"the attention router cannot score a {type(block).__name__}: expected "
+                    "input_layernorm -> self_attn with q_proj / k_proj"
+                )
+            if not callable(getattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb", None)):
+                raise ValueError(f"the attention router found no apply_rotary_pos_emb next to {type(attn).__name__}")
+
+    def attention_qk(
+        self, block: nn.Module, x: Tensor, query_index: Tensor, args: tuple, kwargs: dict
+    ) -> AttentionQK:
+        """The decoder layer runs self_attn(input_layernorm(x)) with RoPE from the position
+        embeddings it was given; the upstream module's own apply_rotary_pos_emb rotates q and k."""
+        attn = block.self_attn
+        rotate = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+        batch, length = x.shape[:2]
+        rows = torch.arange(batch, device=x.device).unsqueeze(1)
+        h = block.input_layernorm(x)
+        q = attn.q_proj(h[rows, query_index]).view(batch, query_index.shape[1], -1, attn.head_dim).transpose(1, 2)
+        k = attn.k_proj(h).view(batch, length, -1, attn.head_dim).transpose(1, 2)
+        if getattr(attn, "q_norm", None) is not None:  # Qwen3 / Gemma 3: per-head RMSNorm before RoPE
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        rope = self.rope_arg.get(args, kwargs)
+        if rope is None:
+            raise ValueError("the attention router needs the position embeddings (cos, sin) the layer receives")
+        cos, sin = (t.expand(batch, *t.shape[1:]) for t in rope)
+        q = rotate(q, q, cos[rows, query_index], sin[rows, query_index])[0]
+        k = rotate(k, k, cos, sin)[0]
+        return AttentionQK(q=q, k=k, scale=attn.scaling, causal=True)

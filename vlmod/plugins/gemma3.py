@@ -1,8 +1,8 @@
 """Gemma 3 (`Gemma3ForConditionalGeneration`): the language model, and its SigLIP vision tower
 through the Hugging Face vision plugin.
 
-Two things differ from the LLaVA decoder and both live in the per-layer mask over the processed
-tokens, by original position:
+Two things differ from the shared decoder adapter and both live in the per-layer mask over the
+processed tokens, by original position:
 
 - Image tokens attend to the other tokens of their own image both ways while text stays causal
   (when the call carries `token_type_ids`, as the processor returns them; without them the
@@ -20,21 +20,21 @@ mask and is refused.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from vlmod.config import MoDConfig
-from vlmod.plugins import PartSpec
-from vlmod.plugins.decoder import TokenGrid, check_part, language_part, square_grids, token_runs, vision_part
-from vlmod.plugins.llava import DecoderAdapter
+from vlmod.plugins.base import PartSpec
+from vlmod.plugins.decoder import DecoderAdapter, check_part, language_part, vision_part
+from vlmod.routing import masks
 from vlmod.routing.layer import MoDPart
 from vlmod.routing.selection import Selection
 
 FAMILIES = ("Hugging Face Gemma3ForConditionalGeneration",)
+VARIANTS = ("gemma3",)
 
 
 def _classes() -> tuple[type, ...]:
@@ -66,7 +66,7 @@ def part_spec(model: nn.Module, part: str | None, config: MoDConfig) -> PartSpec
 
 
 class Gemma3Adapter(DecoderAdapter):
-    """The LLaVA decoder adapter with Gemma 3's mask: image blocks both ways, sliding windows."""
+    """The decoder adapter with Gemma 3's mask: image blocks both ways, sliding windows."""
 
     def __init__(self, model: nn.Module, layer_cls: type, config: MoDConfig):
         super().__init__(model, layer_cls, config)
@@ -117,7 +117,7 @@ class Gemma3Adapter(DecoderAdapter):
     def _cached_keys(
         self, layer_idx: int, cache: Any, query_pos: Tensor, query_valid: Tensor | None
     ) -> tuple[Tensor, Tensor | None, int]:
-        """As the LLaVA adapter, but the slots a sliding layer still holds are its last ones, and
+        """As the shared adapter, but the slots a sliding layer still holds are its last ones, and
         the validity is explicit wherever the mask is more than causal (so one is built)."""
         window = self.windows[layer_idx]
         stored = 0
@@ -153,37 +153,18 @@ class Gemma3Adapter(DecoderAdapter):
     def _mask(
         self, query_pos: Tensor, key_pos: Tensor, key_valid: Tensor | None, dtype: torch.dtype
     ) -> Tensor | None:
-        allowed = key_pos[:, None, :] <= query_pos[:, :, None]
+        allowed = masks.causal(query_pos, key_pos)
         if self.blocks is not None:
             n_new = query_pos.shape[1]
             # The current forward's queries are the last keys; cached keys are text to them.
             start = int(self.batch.positions[0, 0])
             q_block = self.blocks.gather(1, query_pos - start)
             k_block = torch.cat([torch.full_like(key_pos[:, : key_pos.shape[1] - n_new], -1), q_block], dim=1)
-            allowed = allowed | ((q_block[:, :, None] == k_block[:, None, :]) & (q_block[:, :, None] >= 0))
+            allowed = allowed | masks.same_block(q_block, k_block)
         window = self.windows[self._layer]
         if window is not None:
-            allowed = allowed & (key_pos[:, None, :] > query_pos[:, :, None] - window)
+            allowed = allowed & masks.within_window(query_pos, key_pos, window)
         if key_valid is not None:
             allowed = allowed & key_valid[:, None, :]
-        n_query, n_key = query_pos.shape[1], key_pos.shape[1]
-        # A filler query sees at least itself, so its softmax stays finite; its output is discarded.
-        own = torch.arange(n_key, device=key_pos.device) == (
-            torch.arange(n_query, device=key_pos.device)[:, None] + (n_key - n_query)
-        )
-        allowed = (allowed | own).unsqueeze(1)
-        if self.text_config._attn_implementation == "eager":
-            zero = torch.zeros((), dtype=dtype, device=allowed.device)
-            return torch.where(allowed, zero, torch.finfo(dtype).min)
-        return allowed
-
-
-def token_grids(
-    model: nn.Module, inputs: dict[str, Any], sizes: Sequence[tuple[int, int]], as_video: bool = False
-) -> list[list[TokenGrid]]:
-    """Every image is pooled to `mm_tokens_per_image` tokens, a square grid over the whole
-    (squashed) picture, between its begin / end-of-image tokens."""
-    config = model.config
-    per = config.mm_tokens_per_image
-    cell = config.vision_config.image_size // math.isqrt(per)
-    return square_grids(token_runs(inputs["input_ids"][0], config.image_token_id), per, cell)
+        allowed = masks.keep_own_slot(allowed).unsqueeze(1)
+        return masks.as_attention_mask(allowed, self.text_config._attn_implementation, dtype)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from vlmod.config import MoDConfig
-from vlmod.plugins import PartSpec
+from vlmod.plugins.base import PartSpec
 from vlmod.plugins.vit import ViTAdapter, gather_rows, split_heads
 
 FAMILIES = ("Hugging Face CLIPVisionModel", "Hugging Face SiglipVisionModel")

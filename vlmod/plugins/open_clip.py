@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+import vlmod.plugins.timm as timm_plugin
 from vlmod.config import MoDConfig
-from vlmod.plugins import PartSpec
+from vlmod.plugins.base import PartSpec
 from vlmod.plugins.vit import ViTAdapter, gather_rows, split_heads
 
 FAMILIES = ("open_clip CLIP / VisionTransformer / TimmModel (timm ViT trunk: ViT-B-16-SigLIP, ...)",)
@@ -34,13 +35,11 @@ def part_spec(model: nn.Module, part: str | None, config: MoDConfig) -> PartSpec
         raise ValueError(f"open_clip models convert their image tower only: use part='vision', not {part!r}")
     from open_clip.timm_model import TimmModel
 
-    from vlmod.plugins import timm
-
     visual = model if isinstance(model, (VisionTransformer, TimmModel)) else model.visual
-    if isinstance(visual, TimmModel) and timm.matches(visual.trunk):
+    if isinstance(visual, TimmModel) and timm_plugin.matches(visual.trunk):
         # A timm ViT trunk (the SigLIP towers): the timm plugin routes it; the trunk's own pooling
         # (attention pool "map", or none) and open_clip's head run after its blocks, on every token.
-        return timm.part_spec(visual.trunk, "vision", config)
+        return timm_plugin.part_spec(visual.trunk, "vision", config)
     if not isinstance(visual, VisionTransformer):
         raise TypeError(
             f"this open_clip model's image tower is a {type(visual).__name__} "

@@ -20,16 +20,16 @@ a plain ViT, so only the language part converts.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 from torch import nn
 
 from vlmod.config import MoDConfig
-from vlmod.plugins import PartSpec
-from vlmod.plugins.decoder import TokenGrid, check_part, language_part, vision_part
+from vlmod.plugins.base import PartSpec
+from vlmod.plugins.decoder import check_part, language_part, vision_part
 
 FAMILIES = ("Hugging Face Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration")
+VARIANTS = ("qwen2_5_vl", "qwen3_vl")
 PACKED_TOWER = "it runs packed variable-resolution patch sequences (cu_seqlens), not a plain ViT"
 # The model numbers its (time, height, width) positions itself from `mm_token_type_ids` and the
 # grids, left padding included: callers pass the processor's outputs and no `position_ids`.
@@ -53,22 +53,6 @@ def part_spec(model: nn.Module, part: str | None, config: MoDConfig) -> PartSpec
         return vision_part(model, config, family, why_not=PACKED_TOWER)
     return language_part(model, config, family)
 
-
-def token_grids(
-    model: nn.Module, inputs: dict[str, Any], sizes: Sequence[tuple[int, int]], as_video: bool = False
-) -> list[list[TokenGrid]]:
-    """Dynamic resolution: each image (each temporal step of a video: `temporal_patch_size`
-    frames) is a grid of `image_grid_thw` / `video_grid_thw` patches, merged `spatial_merge_size`
-    x `spatial_merge_size` into one token, row-major."""
-    vision = model.config.vision_config
-    merge = vision.spatial_merge_size
-    grids, start = [], 0
-    for steps, h, w in inputs["video_grid_thw" if as_video else "image_grid_thw"].tolist():
-        rows, cols = h // merge, w // merge
-        for _ in range(steps):
-            grids.append([TokenGrid("tokens", rows, cols, list(range(start, start + rows * cols)), vision.patch_size * merge)])
-            start += rows * cols
-    return grids
 
 
 def tower_patches(model: nn.Module, inputs: dict[str, Any]) -> list[int]:

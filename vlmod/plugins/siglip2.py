@@ -16,8 +16,9 @@ import torch
 from torch import Tensor, nn
 
 from vlmod.config import MoDConfig, TokenType
-from vlmod.plugins import PartSpec
+from vlmod.plugins.base import PartSpec
 from vlmod.plugins.vit import ViTAdapter, gather_attention_mask
+from vlmod.routing import masks
 from vlmod.routing.layer import MoDPart
 from vlmod.routing.selection import Selection, TokenLayout
 
@@ -83,13 +84,8 @@ class Siglip2Adapter(ViTAdapter):
             # Skipped slots of rows with fewer real patches: no query may attend to them.
             keys = sel.valid[:, None, None, :]
             if mask is None:
-                mask = keys if self.vision_config._attn_implementation != "eager" else None
-                if mask is None:
-                    zero = torch.zeros((), dtype=x_sel.dtype, device=x_sel.device)
-                    mask = torch.where(keys, zero, torch.finfo(x_sel.dtype).min)
-            elif mask.dtype == torch.bool:
-                mask = mask & keys
+                mask = masks.as_attention_mask(keys, self.vision_config._attn_implementation, x_sel.dtype)
             else:
-                mask = mask.masked_fill(~keys, torch.finfo(mask.dtype).min)
+                mask = masks.hide_keys(mask, keys)
         self.mask.set(args, kwargs, mask)
         return upstream(*args, **kwargs)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from vlmod.config import MoDConfig
-from vlmod.plugins import PartSpec
+from vlmod.plugins.base import PartSpec
 from vlmod.plugins.vit import ViTAdapter, gather_rows, linear_slice, split_heads
 
 FAMILIES = ("timm VisionTransformer (and subclasses: DeiT, registers, layer scale)",)

@@ -1,14 +1,7 @@
-"""The routing engine: router and gate, token selection, gather/scatter, schedules, aux loss, trace."""
+"""The routing engine: router and gate, token selection, gather/scatter, schedules, trace.
 
-from vlmod.routing.api import (
-    apply_mod,
-    mod_layers,
-    remove_mod,
-    router_aux_loss,
-    set_capacity,
-    set_router,
-    use_router,
-)
+It knows nothing of model families (vlmod.plugins) or of conversion (vlmod.api)."""
+
 from vlmod.routing.attention import AttentionQK, attention_keys, received_attention
 from vlmod.routing.router import Router, gate
 from vlmod.routing.schedule import capacity_to_k, layer_capacities
@@ -21,18 +14,11 @@ __all__ = [
     "RoutingTrace",
     "Selection",
     "TokenLayout",
-    "apply_mod",
     "attention_keys",
     "capacity_to_k",
     "gate",
     "layer_capacities",
-    "mod_layers",
     "received_attention",
-    "remove_mod",
-    "router_aux_loss",
     "select_tokens",
-    "set_capacity",
-    "set_router",
     "trace_routing",
-    "use_router",
 ]

@@ -73,8 +73,10 @@ def check_attention_router(adapter: Any, blocks: list[nn.Module], family: str) -
 def query_tokens(layout: TokenLayout) -> tuple[Tensor, Tensor | None]:
     """(index [B, T], valid [B, T] or None) of each row's query tokens, in order; computed once
     per forward (one host sync for T) and shared by the layout's MoD layers."""
-    if layout._queries is not None:
-        return layout._queries
+    return layout.per_forward("attention queries", lambda: _query_tokens(layout))
+
+
+def _query_tokens(layout: TokenLayout) -> tuple[Tensor, Tensor | None]:
     batch, length = layout.shape
     device = layout.token_types.device
     if layout.num_prefix is not None:
@@ -84,8 +86,7 @@ def query_tokens(layout: TokenLayout) -> tuple[Tensor, Tensor | None]:
                 "the attention router ranks patches by the attention they receive from prefix (CLS) "
                 "tokens, and this ViT has none"
             )
-        layout._queries = (torch.arange(p, device=device).expand(batch, p), None)
-        return layout._queries
+        return torch.arange(p, device=device).expand(batch, p), None
     ids = torch.tensor([int(t) for t in QUERY_TYPES], device=device)
     is_query = layout.protected & torch.isin(layout.token_types, ids)
     counts = is_query.sum(1)
@@ -94,8 +95,7 @@ def query_tokens(layout: TokenLayout) -> tuple[Tensor, Tensor | None]:
     slot_key = torch.where(is_query, positions, positions + length)
     index = slot_key.topk(min(total, length), dim=1, largest=False, sorted=True).indices
     valid = is_query.gather(1, index)
-    layout._queries = (index, None if bool(valid.all()) else valid)
-    return layout._queries
+    return index, None if bool(valid.all()) else valid
 
 
 def received_attention(qk: AttentionQK, query_index: Tensor, query_valid: Tensor | None, key_valid: Tensor) -> Tensor:

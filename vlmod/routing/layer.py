@@ -112,28 +112,24 @@ class LayerRouting:
         self.part = part
         self.layer_idx = layer_idx
         self.capacity = capacity
-        # Decode steps skip the router and gate (the block's output as is): not a model to use, the
-        # bound `vlmod.bench.routing_bypassed` times MoD decode against.
-        self.ungated_decode = False
 
     def forward(self, upstream: Callable, args: tuple, kwargs: dict) -> Any:
+        """The routing equation in order: keys, select, gather, run, gate, scatter."""
         part, cfg, adapter = self.part, self.part.config, self.part.adapter
         x = adapter.hidden_states(args, kwargs)
         layout = adapter.layout(part, x, args, kwargs)
-        router = part.router_for(self.layer_idx)
         if layout.every_token:
             # A decode step: every token runs, so no keys, ranking, gather or scatter. The router
             # runs after the block, right before the gate: after a block's matmuls the caches are
-            # cold, and each run of small ops pays that once (a decode step is mostly small ops).
+            # cold, and each run of small ops pays that once (a decode step is mostly small ops,
+            # and this path runs per MoD layer and token: every call on it counts).
             sel = Selection(index=None, valid=None, length=x.shape[1])
             y = adapter.run(upstream, x, sel, args, kwargs, self.layer_idx)
-            if self.ungated_decode:
-                return adapter.output(y, args, kwargs)
-            out, logits = gated_decode_step(router, x, y, cfg.gate, cfg.gate_alpha)  # logits [B, 1, 1]
+            out, logits = gated_decode_step(part.router_for(self.layer_idx), x, y, cfg.gate, cfg.gate_alpha)
             if part.recording:
-                part.record(self.layer_idx, sel, logits.squeeze(-1), layout)
+                part.record(self.layer_idx, sel, logits.squeeze(-1), layout)  # logits [B, 1, 1]
             return adapter.output(out, args, kwargs)
-        logits = router.logits(x)  # [B, L, 1]
+        logits = part.router_for(self.layer_idx).logits(x)  # [B, L, 1]
         scores = logits.squeeze(-1)
         keys = self.keys(x, scores, layout, args, kwargs)
         sel = select_tokens(keys, layout, self.capacity)

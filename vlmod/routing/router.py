@@ -31,10 +31,15 @@ class Router(nn.Linear):
         dtype), but the logits are computed in float32, also under autocast: in bfloat16 they
         would carry 8 significant bits, so top-k would rank on ties and rounding. Only the
         router's own copy of x is upcast; the tokens the block runs on keep their dtype."""
-        weight, bias = self.weight, self.bias
-        if weight.dtype != torch.float32:  # a no-op .float() still costs a dispatch per layer and step
+        # Where Module.__getattr__ finds them, without its miss in the instance dict first: this
+        # runs per MoD layer and decode step. (FSDP may hold them elsewhere: then the attributes.)
+        params = self._parameters
+        weight, bias = params.get("weight"), params.get("bias")
+        if weight is None or bias is None:
+            weight, bias = self.weight, self.bias
+        if weight.dtype is not torch.float32:  # a no-op .float() still costs a dispatch per layer and step
             weight, bias = weight.float(), bias.float()
-        if x.dtype != torch.float32:
+        if x.dtype is not torch.float32:
             x = x.float()
         if torch.is_autocast_enabled(x.device.type):
             with torch.autocast(x.device.type, enabled=False):
@@ -42,34 +47,32 @@ class Router(nn.Linear):
         return F.linear(x, weight, bias)
 
 
+def gate(scores: Tensor, kind: str, alpha: float, offset: bool = False) -> Tensor | None:
+    """g(r) per token in float32, or None when g is identically 1; with `offset`, g(r) - 1.
+
+    g(r) = 1 + alpha tanh(r) ("tanh"), 2 sigmoid(r) = 1 + tanh(r / 2) ("sigmoid"): exactly 1
+    where r = 0, so a fresh router changes nothing. The offset, not g itself, is what meets
+    low-precision token states: near g = 1 a bfloat16 g has a step of 2^-7 (0.2 tanh(r) would have
+    to exceed it before the gate moved at all), while the offset in bfloat16 keeps 8 significant
+    bits of its own size."""
+    if scores.dtype is not torch.float32:  # a no-op .float() still costs a dispatch per layer and step
+        scores = scores.float()
+    if kind == "tanh":
+        t, scale = torch.tanh(scores), alpha
+    elif kind == "sigmoid":
+        t, scale = torch.tanh(0.5 * scores), 1.0
+    elif kind == "none":
+        return None
+    else:
+        raise ValueError(f"unknown gate {kind!r}")
+    if offset:
+        return t if scale == 1.0 else t * scale
+    return torch.add(1.0, t, alpha=scale)  # one op: g = 1 + scale * t
+
+
 def gate_offset(scores: Tensor, kind: str, alpha: float) -> Tensor | None:
-    """g(r) - 1 per token in float32, or None when g is identically 1.
-
-    The offset, not g itself, is what meets low-precision token states: near g = 1 a bfloat16 g
-    has a step of 2^-7 (0.2 tanh(r) would have to exceed it before the gate moved at all), while
-    the offset in bfloat16 keeps 8 significant bits of its own size."""
-    if scores.dtype != torch.float32:  # a no-op .float() still costs a dispatch per layer and step
-        scores = scores.float()
-    if kind == "tanh":
-        return alpha * torch.tanh(scores)
-    if kind == "sigmoid":
-        return torch.tanh(0.5 * scores)  # 2 sigmoid(r) - 1
-    if kind == "none":
-        return None
-    raise ValueError(f"unknown gate {kind!r}")
-
-
-def gate(scores: Tensor, kind: str, alpha: float) -> Tensor | None:
-    """g(r) per token in float32 (two ops), or None when g is identically 1."""
-    if scores.dtype != torch.float32:
-        scores = scores.float()
-    if kind == "tanh":
-        return torch.add(1.0, torch.tanh(scores), alpha=alpha)  # exactly 1 where r = 0
-    if kind == "sigmoid":
-        return 2.0 * torch.sigmoid(scores)
-    if kind == "none":
-        return None
-    raise ValueError(f"unknown gate {kind!r}")
+    """g(r) - 1 per token in float32, or None when g is identically 1 (`gate` with `offset`)."""
+    return gate(scores, kind, alpha, offset=True)
 
 
 def gated_residual(x: Tensor, y: Tensor, scores: Tensor, kind: str, alpha: float) -> Tensor:
@@ -80,39 +83,30 @@ def gated_residual(x: Tensor, y: Tensor, scores: Tensor, kind: str, alpha: float
 
     Float32 states take one `torch.lerp` (one pass over x and y; for g >= 0.5 it computes
     y - (1 - g)(y - x), so g == 1 is exact). Lower precisions take y + (g - 1)(y - x) with the
-    offset g - 1 from float32 (`gate_offset`): a bfloat16 g near 1 would round small gates away."""
-    if y.dtype == torch.float32:
-        weight = gate(scores, kind, alpha)
-        if weight is None:
-            return y
-        return torch.lerp(x, y, weight if weight.dim() == y.dim() else weight.unsqueeze(-1))
-    offset = gate_offset(scores, kind, alpha)
-    if offset is None:
+    offset g - 1 from float32: a bfloat16 g near 1 would round small gates away."""
+    low_precision = y.dtype is not torch.float32
+    weight = gate(scores, kind, alpha, offset=low_precision)
+    if weight is None:
         return y
-    if offset.dim() < y.dim():
-        offset = offset.unsqueeze(-1)
-    if offset.dtype != y.dtype:
-        offset = offset.to(y.dtype)
-    return torch.addcmul(y, y - x, offset)
+    if weight.dim() < y.dim():
+        weight = weight.unsqueeze(-1)
+    if not low_precision:
+        return torch.lerp(x, y, weight)
+    if weight.dtype is not y.dtype:
+        weight = weight.to(y.dtype)
+    return torch.addcmul(y, y - x, weight)
 
 
 def gated_decode_step(router: Router, x: Tensor, y: Tensor, kind: str, alpha: float) -> tuple[Tensor, Tensor]:
     """(`gated_residual(x, y, logits, kind, alpha)`, logits = `router.logits(x)`) for the one token
-    per row of a decode step: the same numbers, with float32 states and the tanh gate in four
-    tensor ops and no helper calls. It runs per MoD layer and token, right after the block's
-    matmuls have evicted the interpreter's working set, where each Python step costs several
-    times its warm cost (at the video preset, 8 frames, the helpers' path cost 0.3 ms more per
-    52 ms step, 0.5%)."""
-    params = router._parameters  # what Module.__getattr__ finds, without the miss before it
-    weight, bias = params.get("weight"), params.get("bias")  # (FSDP may hold them elsewhere)
-    if (
-        weight is None or bias is None or kind != "tanh" or weight.dtype is not torch.float32
-        or x.dtype is not torch.float32 or y.dtype is not torch.float32 or torch.is_autocast_enabled(x.device.type)
-    ):
-        logits = router.logits(x)
-        return gated_residual(x, y, logits, kind, alpha), logits
-    logits = F.linear(x, weight, bias)
-    return torch.lerp(x, y, torch.add(1.0, torch.tanh(logits), alpha=alpha)), logits
+    per row of a decode step ([B, 1, D]; logits [B, 1, 1], the shape the gate meets the states in).
+    Float32 states go straight to `gate` and `torch.lerp`: the same numbers in as few Python steps
+    as there are tensor ops, since this runs per MoD layer and token."""
+    logits = router.logits(x)
+    if y.dtype is torch.float32:
+        weight = gate(logits, kind, alpha)
+        return (y if weight is None else torch.lerp(x, y, weight)), logits
+    return gated_residual(x, y, logits, kind, alpha), logits
 
 
 def selection_keys(

@@ -8,9 +8,9 @@ written back unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -47,8 +47,8 @@ class TokenLayout:
     # without looking at the types: no budget, no ranking, no host sync (`every_token`).
     every_token: bool = False
     _budgets: dict[float, Budget] = field(default_factory=dict, repr=False)
-    # Query tokens of the attention router (index, valid), once per forward: routing/attention.py.
-    _queries: tuple[Tensor, Tensor | None] | None = field(default=None, repr=False)
+    # What other parts of the engine compute once per forward (`per_forward`).
+    _shared: dict[str, Any] = field(default_factory=dict, repr=False)
     _positions: Tensor | None = field(default=None, repr=False)
     _not_routable: Tensor | None = field(default=None, repr=False)
 
@@ -94,6 +94,15 @@ class TokenLayout:
             protected=~routable,
             num_prefix=num_prefix if image_routable else length,
         )
+
+    def per_forward(self, key: str, compute: Callable[[], Any]) -> Any:
+        """`compute()`, run once for this layout and shared by its MoD layers (a layout serves one
+        forward, or every forward of one shape where the types follow from the shape: a ViT):
+        what a router kind derives from the token types alone, e.g. the attention router's
+        query tokens."""
+        if key not in self._shared:
+            self._shared[key] = compute()
+        return self._shared[key]
 
     def not_routable(self) -> Tensor:
         """[B, L] ~routable, once per forward (every MoD layer masks its ranking with it)."""

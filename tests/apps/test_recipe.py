@@ -1,0 +1,250 @@
+"""The synthetic recipes run end to end at --quick size and report every method at every point."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import ROOT
+from safetensors.torch import load_file
+
+import vlmod
+from vlmod.recipes.recipe import RecipeSettings, run_recipe
+
+METHODS = {"image": {"learned", "random", "stride", "attention", "reduce", "reduce-mean"},
+           "video": {"learned", "random", "stride", "attention", "reduce", "reduce-mean", "frames"}}
+
+
+@pytest.fixture(scope="module")
+def image_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
+    out = tmp_path_factory.mktemp("image-recipe")
+    return out, run_recipe(out, RecipeSettings.for_task("image", quick=True), progress=False, log=lambda _: None)
+
+
+@pytest.fixture(scope="module")
+def video_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
+    out = tmp_path_factory.mktemp("video-recipe")
+    # The video run also trains the control: the dense model fine-tuned again as the MoD stage.
+    return out, run_recipe(out, RecipeSettings.for_task("video", quick=True, dense_control=True), progress=False,
+                           log=lambda _: None)
+
+
+@pytest.mark.parametrize("task", ["image", "video"])
+def test_recipe_writes_every_method_at_every_compute_point(task: str, image_run: tuple, video_run: tuple) -> None:
+    out, result = image_run if task == "image" else video_run
+    s = result.settings
+    saved = json.loads((out / "results.json").read_text())
+    rows = saved["results"]
+    assert [r["method"] for r in rows if r["target"] is None] == ["dense"] + ["dense-control"] * s.dense_control
+    for target in s.targets:
+        assert {r["method"] for r in rows if r["target"] == target} >= METHODS[task]
+    assert [r["method"] for r in rows if r["method"] == "learned+vision"] == ["learned+vision"]
+    assert saved["converted_layers"] == list(range(1, s.layers)) and len(saved["compute_points"]) == len(s.targets)
+    dense = next(r for r in rows if r["method"] == "dense")
+    for r in rows:
+        assert set(r["gflops"]) == {"vision", "language"}
+        # Against the dense model on the questions the row answered (for frame subsampling, on every
+        # frame: what a MoD baseline on the same questions counts as its dense reference).
+        reference = r if r["method"] != "frames" else next(
+            x for x in rows if x["method"] == "random" and x["target"] == r["target"])
+        assert r["language_reduction"] == pytest.approx(reference["dense_gflops"]["language"] / r["gflops"]["language"])
+        # Dense, the control and MoD answered every question, the other methods the first
+        # `baseline_samples`: one mark each, so every gap is paired on the questions both answered.
+        n = s.num_val if r["method"] in ("dense", "dense-control", "learned") else s.baseline_samples
+        assert len(r["correct"]) == r["samples"] == n and r["correct"].count("1") == round(r["accuracy"] * n)
+    tower = next(r for r in rows if r["method"] == "learned+vision")
+    assert tower["gflops"]["vision"] < dense["gflops"]["vision"]
+    if task == "video":
+        assert "train on images" in saved["stage_seconds"]  # the video model starts from the image stage
+        # ... whose tower first learned the images' patches (vlmod.training.tower_pretrain), then went on learning.
+        assert "pretrain tower" in saved["stage_seconds"] and (out / "tower" / "log.json").is_file()
+        assert json.loads((out / "image" / "train_log.json").read_text())["config"]["model"] == str(out / "tower" / "model")
+        for name in ("train", "video_train"):  # its dense stages see every object named (captions)
+            records = json.loads((out / "data" / f"{name}.json").read_text())
+            assert sum(r["meta"]["type"] == "caption" for r in records) == len(records) // 2
+        frames = [r for r in rows if r["method"] == "frames"]
+        assert all(r["gflops"]["vision"] < dense["gflops"]["vision"] for r in frames)
+        assert "direction*" in (out / "results.md").read_text()
+        control, mod = (json.loads((out / run / "train_log.json").read_text())["config"] for run in ("dense-control", "mod"))
+        assert {k: control[k] for k in ("lr", "max_steps", "trainable", "distill_from")} == {
+            k: mod[k] for k in ("lr", "max_steps", "trainable", "distill_from")}
+        assert vlmod.mod_layers(vlmod.load_pretrained(out / "dense-control" / "model")) == {}
+        assert "control, the dense model fine-tuned again" in (out / "results.md").read_text()
+        assert "min without the control" in (out / "results.md").read_text()
+        # The second dense stage: tower frozen, distilling the first dense model; everything after
+        # it (ARank, conversion, the MoD stage's teacher, the control, the dense row) uses the refined model.
+        first, refined = out / "dense" / "model", out / "dense-refined" / "model"
+        refine = json.loads((out / "dense-refined" / "train_log.json").read_text())["config"]
+        assert (refine["model"], refine["distill_from"], refine["trainable"], refine["train_vision_tower"],
+                refine["max_steps"]) == (str(first), str(first), "language", False, s.refine_steps)
+        assert mod["distill_from"] == str(refined) and "refine dense" in saved["stage_seconds"]
+        assert control["model"] == str(refined)
+        weights = {run: load_file(out / run / "model.safetensors") for run in ("dense/model", "dense-refined/model", "converted")}
+        head = next(k for k in weights["converted"] if "lm_head" in k)
+        assert torch.equal(weights["converted"][head], weights["dense-refined/model"][head])
+        assert not torch.equal(weights["dense/model"][head], weights["dense-refined/model"][head])
+        assert f"| dense | - | refined +{s.refine_steps} steps |" in (out / "results.md").read_text()
+    table = (out / "results.md").read_text()
+    assert s.baseline_samples < s.num_val and f"the other methods the first {s.baseline_samples} " in table
+    assert "| dense |" in table and "goal (3x fewer" in table and "whole recipe" in table
+    assert (out / "frontier.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    model = vlmod.load_pretrained(out / "mod" / "model")
+    assert sorted(i for _, i in vlmod.mod_layers(model)) == saved["converted_layers"]
+
+
+def test_the_demo_model_installs_from_a_recipe_run(image_run: tuple) -> None:
+    out, _ = image_run
+    spec = importlib.util.spec_from_file_location("build_demo_model", ROOT / "scripts" / "build_demo_model.py")
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
+    model = vlmod.load_pretrained(out / "mod" / "model")
+    build.install(out / "mod" / "model", out / "assets" / "model", routable=("image", "video"))
+    assert vlmod.mod_layers(vlmod.load_pretrained(out / "assets" / "model")) == vlmod.mod_layers(model)
+    # A video recipe's model routes only video tokens; the demo's copy routes pictures too.
+    config = json.loads((out / "assets" / "model" / "config.json").read_text())
+    assert config["vlmod"]["language"]["routable"] == ["image", "video"]
+    build.install(out / "dense" / "model", out / "assets" / "dense", routable=("image", "video"))
+    assert "vlmod" not in json.loads((out / "assets" / "dense" / "config.json").read_text())
+
+
+def test_reuse_dense_refuses_other_settings(image_run: tuple) -> None:
+    from vlmod.errors import InputError
+
+    out, _ = image_run
+    with pytest.raises(InputError, match="dense_steps"):
+        run_recipe(out, dataclasses.replace(RecipeSettings.for_task("image", quick=True), dense_steps=4),
+                   progress=False, reuse_dense=True)
+
+
+def test_reuse_dense_with_another_validation_size_keeps_the_training_set(image_run: tuple, tmp_path: Path) -> None:
+    import shutil
+
+    out, result = image_run
+    shutil.copytree(out, tmp_path / "run")
+    train = (out / "data" / "train.json").read_bytes()
+    settings = dataclasses.replace(result.settings, num_val=12, targets=(3.0,))
+    again = run_recipe(tmp_path / "run", settings, progress=False, log=lambda _: None, reuse_dense=True)
+    assert (tmp_path / "run" / "data" / "train.json").read_bytes() == train  # what the dense model learned from
+    assert len(json.loads((tmp_path / "run" / "data" / "val.json").read_text())) == 12
+    assert again.row("dense")["samples"] == 12 and "data" in again.stages
+
+
+def test_reuse_dense_refines_again_only_when_the_refine_settings_changed(video_run: tuple, tmp_path: Path) -> None:
+    import shutil
+
+    from vlmod.errors import InputError
+
+    out, result = video_run
+    run = tmp_path / "run"
+    shutil.copytree(out, run)
+    first = (run / "dense" / "train_log.json").read_bytes()
+    settings = dataclasses.replace(result.settings, refine_steps=3, dense_control=False, targets=(3.0,))
+    again = run_recipe(run, settings, progress=False, log=lambda _: None, reuse_dense=True)
+    assert (run / "dense" / "train_log.json").read_bytes() == first  # the first dense model is kept
+    assert json.loads((run / "dense-refined" / "train_log.json").read_text())["config"]["max_steps"] == 3
+    assert again.stages["train dense"] == result.stages["train dense"] and "refine dense" in again.stages
+    refined = (run / "dense-refined" / "train_log.json").read_bytes()
+    logs: list[str] = []
+    third = run_recipe(run, settings, progress=False, log=logs.append, reuse_dense=True)
+    assert (run / "dense-refined" / "train_log.json").read_bytes() == refined  # now kept as well
+    assert third.stages["refine dense"] == again.stages["refine dense"]
+    assert any(line.startswith("== reusing the refined dense model") for line in logs)
+    assert third.row("dense")["correct"] == again.row("dense")["correct"]
+    # The fine-tunes learned from the refined model: refined otherwise, they cannot be kept ...
+    with pytest.raises(InputError, match="refined with other settings"):
+        run_recipe(run, dataclasses.replace(settings, refine_steps=4), progress=False, log=lambda _: None,
+                   reuse_dense=True, reuse_trained=True)
+    # ... nor once they learned from the first dense model (a run without refinement in between).
+    run_recipe(run, dataclasses.replace(settings, refine_steps=0), progress=False, log=lambda _: None, reuse_dense=True)
+    with pytest.raises(InputError, match="distill_from"):
+        run_recipe(run, settings, progress=False, log=lambda _: None, reuse_dense=True, reuse_trained=True)
+
+
+def test_reuse_trained_only_evaluates_again(image_run: tuple, tmp_path: Path) -> None:
+    import shutil
+
+    from vlmod.errors import InputError
+
+    out, result = image_run
+    shutil.copytree(out, tmp_path / "run")
+    mod_log = (tmp_path / "run" / "mod" / "train_log.json").read_bytes()
+    settings = dataclasses.replace(result.settings, routers=("random",))  # an eval-side change
+    again = run_recipe(tmp_path / "run", settings, progress=False, log=lambda _: None, reuse_dense=True,
+                       reuse_trained=True)
+    assert (tmp_path / "run" / "mod" / "train_log.json").read_bytes() == mod_log  # not trained again
+    assert again.stages["train MoD"] == result.stages["train MoD"]
+    before = [r for r in json.loads((out / "results.json").read_text())["results"] if r["method"] == "learned"]
+    after = [r for r in json.loads((tmp_path / "run" / "results.json").read_text())["results"] if r["method"] == "learned"]
+    assert [r["correct"] for r in after] == [r["correct"] for r in before]
+    methods = {r["method"] for r in again.rows}
+    assert methods >= {"random", "reduce", "reduce-mean"} and "stride" not in methods
+    with pytest.raises(InputError, match="max_steps"):
+        run_recipe(tmp_path / "run", dataclasses.replace(settings, mod_steps=3), progress=False, log=lambda _: None,
+                   reuse_dense=True, reuse_trained=True)
+    with pytest.raises(InputError, match="goes with --reuse-dense"):
+        run_recipe(tmp_path / "run", settings, progress=False, log=lambda _: None, reuse_trained=True)
+
+
+def test_recipe_settings_refuse_bad_values(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from vlmod.cli import main
+    from vlmod.errors import InputError
+
+    with pytest.raises(InputError, match="--task"):
+        RecipeSettings.for_task("audio")
+    with pytest.raises(InputError, match="targets"):
+        RecipeSettings.for_task("image", targets=(0.5,))
+    assert main(["recipe", "--quick", "--out", str(tmp_path / "run"), "--task", "video", "--video-pool", "mean"]) == 2
+    assert "video_pool must be one of average, max, conv, got 'mean'" in capsys.readouterr().err
+    for argv, message in [(["--task", "image", "--image-model", str(tmp_path)], "for --task video"),
+                          (["--task", "video", "--image-model", str(tmp_path)], "no config.json")]:
+        assert main(["recipe", "--quick", "--out", str(tmp_path / "run"), *argv]) == 2
+        assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("task", "prefix"), [("image", "synthetic"), ("video", "synthetic-video")])
+def test_synthetic_finetune_configs_match_the_recipe(task: str, prefix: str) -> None:
+    """configs/finetune/synthetic-*.yaml are the recipes' training stages, written out."""
+    from vlmod.io.files import read_yaml_mapping
+    from vlmod.training.train import TrainConfig, TrainError
+
+    root = ROOT / "configs" / "finetune"
+    s = RecipeSettings.for_task(task)
+    dense = TrainConfig.from_dict(read_yaml_mapping(root / f"{prefix}-dense.yaml", TrainError))
+    mod = TrainConfig.from_dict(read_yaml_mapping(root / f"{prefix}-mod.yaml", TrainError))
+    assert (dense.lr, dense.max_steps, dense.weight_decay, dense.batch_size) == (s.dense_lr, s.dense_steps, s.weight_decay, s.batch_size)
+    assert dense.trainable == "full" and dense.train_vision_tower and dense.num_frames == s.frames
+    assert (mod.lr, mod.router_lr, mod.max_steps, mod.batch_size) == (s.mod_lr, s.router_lr, s.mod_steps, s.batch_size)
+    assert mod.trainable == "language" and not mod.train_vision_tower
+    if task == "video":
+        first = root / "synthetic-video-images.yaml"  # the first training stage starts from the pretrained tower
+        images = TrainConfig.from_dict(read_yaml_mapping(first, TrainError))
+        assert images.model.endswith("tower/model") and f"--steps {s.tower_steps}" in first.read_text()
+        assert (images.lr, images.max_steps, images.batch_size) == (s.dense_lr, s.image_steps, s.image_batch_size)
+        assert dense.model.endswith("init-images") and images.output_dir.endswith("image")
+        refine = TrainConfig.from_dict(read_yaml_mapping(root / "synthetic-video-refine.yaml", TrainError))
+        assert (refine.lr, refine.max_steps, refine.batch_size) == (s.dense_lr, s.refine_steps, s.batch_size)
+        assert refine.trainable == "language" and not refine.train_vision_tower
+        assert refine.model == refine.distill_from == dense.output_dir + "/model"
+        assert mod.distill_from == refine.output_dir + "/model"
+
+
+def test_the_video_model_starts_from_every_weight_of_the_image_stage() -> None:
+    """copy_weights: a LLaVA's weights fill a LLaVA-NeXT-Video of the same sizes (all but the
+    image-newline vector it lacks); other sizes are one error line."""
+    import torch
+
+    from vlmod.errors import InputError
+    from vlmod.models import tiny
+
+    image, _ = tiny.build("llava", width=32, layers=2, vision_width=32, patch_size=8, seed=0)
+    video, _ = tiny.build("llava_next_video", width=32, layers=2, vision_width=32, patch_size=8, seed=1)
+    assert tiny.copy_weights(image, video) == ["model.image_newline"]
+    theirs = image.state_dict()
+    assert all(torch.equal(v, theirs[k]) for k, v in video.state_dict().items() if k in theirs)
+    wider, _ = tiny.build("llava_next_video", width=64, layers=2, vision_width=32, patch_size=8)
+    with pytest.raises(InputError, match="other sizes"):
+        tiny.copy_weights(image, wider)

@@ -1,0 +1,425 @@
+"""The frontier's methods on a tiny LLaVA-NeXT-Video: the video path's token types, pre-LLM
+reduction, frame subsampling, set_capacity and capacity-elastic fine-tuning, and their FLOPs."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import vlmod
+from vlmod.data import LlavaDataset, collate
+from vlmod.data.synthetic import generate
+from vlmod.data.synthetic_video import TEMPORAL_TYPES, VIDEO_QUESTION_TYPES, video_sample
+from vlmod.evaluation.evaluate import evaluate
+from vlmod.evaluation.frontier import (
+    TokenCounts,
+    mod_language_flops,
+    solve_capacity,
+    solve_frames,
+    solve_keep,
+)
+from vlmod.models import tiny
+from vlmod.tools.flops import DecoderDims, hf_vision_dims, language_prefill_flops, vit_flops
+from vlmod.tools.reduction import PreLLMReduction, reduction_flops
+
+FRAMES = 4
+TOKENS_PER_FRAME = 16  # 32 px, patch 4: an 8 x 8 grid pooled 2 x 2
+
+
+@pytest.fixture(scope="module")
+def video_set(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("clips")
+    generate(out, 0, 0, image_size=32, video=True, num_videos=14, num_val_videos=7, num_frames=FRAMES)
+    return out
+
+
+@pytest.fixture(scope="module")
+def model_and_processor() -> tuple[torch.nn.Module, object]:
+    return tiny.build("llava_next_video", width=64, layers=4, vision_width=32, vision_layers=2, image_size=32,
+                      patch_size=4, vision_feature_layer=-1, seed=1)
+
+
+@pytest.fixture(scope="module")
+def batch(video_set: Path, model_and_processor: tuple) -> dict:
+    _, processor = model_and_processor
+    ds = LlavaDataset(video_set / "video_train.json", processor, num_frames=FRAMES)
+    return ds.collate([ds[i] for i in range(3)])
+
+
+def _prompts(video_set: Path, processor: object, n: int = 3, frames: int = FRAMES) -> dict:
+    ds = LlavaDataset(video_set / "video_train.json", processor, num_frames=frames)
+    return collate([ds.prompt_inputs(i).inputs for i in range(n)], ds.pad_token_id, "left")
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def test_every_clip_question_type_is_drawn_as_its_answer_says() -> None:
+    import numpy as np
+
+    from vlmod.data.scenes import ANSWERS
+
+    for qtype in VIDEO_QUESTION_TYPES:
+        for answer in ANSWERS[qtype]:
+            frames, question, meta = video_sample(np.random.default_rng(7), qtype, answer, 32, 8)
+            assert frames.shape == (8, 32, 32, 3) and meta["type"] == qtype
+            objects = meta["objects"]
+            if qtype == "distinct":
+                assert len(objects) == ANSWERS["distinct"].index(answer) + 1
+                assert len({o["shape"] for o in objects}) == len(objects)
+                spans = sorted(tuple(o["frames"]) for o in objects)
+                assert all(a[1] < b[0] for a, b in zip(spans, spans[1:], strict=False))  # never two at once
+            if qtype == "last":
+                assert max(objects, key=lambda o: o["frames"][0])["shape"] == answer
+            if qtype == "when":
+                thirds = [(0, 2), (3, 4), (5, 7)]  # 8 frames in three near-equal spans
+                assert tuple(objects[0]["frames"]) == thirds[["start", "middle", "end"].index(answer)]
+            if qtype in ("color", "shape"):
+                assert objects[0][qtype] == answer and objects[0]["frames"] == [0, 7]
+    assert set(TEMPORAL_TYPES) < set(VIDEO_QUESTION_TYPES)
+
+
+def test_clip_questions_need_enough_frames() -> None:
+    import numpy as np
+
+    with pytest.raises(ValueError, match="at least 4 frames"):
+        video_sample(np.random.default_rng(0), "distinct", "two", 32, 3)
+
+
+# ----------------------------------------------------------------------------- the video path
+
+
+def test_video_tokens_are_typed_video_and_instruction_tokens_always_run(model_and_processor: tuple, batch: dict) -> None:
+    model, _ = model_and_processor
+    vlmod.apply_mod(model, vlmod.MoDConfig(capacity=0.25, layers=[1, 2, 3], routable=("video",)))
+    try:
+        with torch.no_grad(), vlmod.trace_routing(model) as trace:
+            model(**batch)
+        types = trace.token_types
+        video = batch["input_ids"] == model.config.video_token_id
+        assert torch.equal(types == vlmod.TokenType.VIDEO, video)
+        assert int(video.sum(1)[0]) == FRAMES * TOKENS_PER_FRAME
+        instruction = types == vlmod.TokenType.INSTRUCTION
+        for processed in trace.processed.values():
+            assert bool(processed[instruction].all())
+            assert torch.equal(processed[video].view(3, -1).sum(1), torch.full((3,), math.ceil(0.25 * 64)))
+    finally:
+        vlmod.remove_mod(model)
+
+
+def test_set_capacity_changes_the_budget_of_every_converted_layer(model_and_processor: tuple, batch: dict,
+                                                                  tmp_path: Path) -> None:
+    model, processor = model_and_processor
+    vlmod.apply_mod(model, vlmod.MoDConfig(capacity=0.5, layers=[1, 3], routable=("video",), capacity_schedule="cosine"))
+    try:
+        vlmod.set_capacity(model, 0.125)
+        caps = vlmod.mod_layers(model)
+        assert sum(caps.values()) / len(caps) == pytest.approx(0.125) and caps[("language", 1)] > caps[("language", 3)]
+        with torch.no_grad(), vlmod.trace_routing(model) as trace:
+            model(**batch)
+        video = batch["input_ids"] == model.config.video_token_id
+        for (_, layer), processed in trace.processed.items():
+            assert int(processed[video].view(3, -1).sum(1)[0]) == math.ceil(caps[("language", layer)] * 64)
+        model.save_pretrained(tmp_path)
+        assert json.loads((tmp_path / "config.json").read_text())["vlmod"]["language"]["capacity"] == 0.125
+        with pytest.raises(ValueError, match="capacity must be in"):
+            vlmod.set_capacity(model, 1.5)
+    finally:
+        vlmod.remove_mod(model)
+    with pytest.raises(ValueError, match="no MoD layers"):
+        vlmod.set_capacity(model, 0.5)
+
+
+# ----------------------------------------------------------------------------- pre-LLM reduction
+
+
+def test_reduction_keeping_everything_is_the_model(model_and_processor: tuple, batch: dict, video_set: Path) -> None:
+    model, processor = model_and_processor
+    full = PreLLMReduction(model, 1.0)
+    with torch.no_grad():
+        ref, out = model(**batch).logits, full(**batch).logits
+    real = batch["attention_mask"].bool()
+    assert torch.equal(out[real], ref[real])
+    inputs = _prompts(video_set, processor)
+    new = full.generate(**inputs, max_new_tokens=3, do_sample=False)
+    assert torch.equal(new, model.generate(**inputs, max_new_tokens=3, do_sample=False))
+
+
+def test_reduction_keeps_its_budget_of_the_most_attended_tokens(model_and_processor: tuple, batch: dict) -> None:
+    model, _ = model_and_processor
+    reducer = PreLLMReduction(model, 0.3)
+    with torch.no_grad():
+        reduced = reducer.reduce(batch)
+    video = batch["input_ids"] == model.config.video_token_id
+    text = batch["attention_mask"].bool() & ~video
+    kept = reduced["attention_mask"].sum(1)
+    assert torch.equal(kept, text.sum(1) + math.ceil(0.3 * 64))
+    index, mask = reduced["index"], reduced["attention_mask"].bool()
+    assert torch.equal(reduced["position_ids"][mask], index[mask])  # kept tokens keep their positions
+    for row in range(3):  # text always kept, original order kept, filler (padding) on the left
+        positions = index[row][mask[row]]
+        assert torch.equal(positions, positions.sort().values)
+        assert set(text[row].nonzero().flatten().tolist()) <= set(positions.tolist())
+        assert not bool(mask[row, : int((~mask[row]).sum())].any())
+    # The kept video tokens are the top scores of the tower's CLS attention.
+    features, scores, _ = reducer._media(batch)
+    top = scores.view(3, 64).topk(math.ceil(0.3 * 64), dim=1).indices.sort(dim=1).values
+    first_video = video.float().argmax(1)
+    kept_video = [index[r][mask[r] & video[r].gather(0, index[r])] - first_video[r] for r in range(3)]
+    assert all(torch.equal(kept_video[r], top[r]) for r in range(3))
+
+
+def test_reduction_flops_are_the_kept_tokens(model_and_processor: tuple, batch: dict) -> None:
+    model, _ = model_and_processor
+    reducer = PreLLMReduction(model, 0.25)
+    counted = reduction_flops(reducer, batch)
+    dims = DecoderDims.from_config(model.config.text_config)
+    video = batch["input_ids"] == model.config.video_token_id
+    text = float((batch["attention_mask"].bool() & ~video).sum(1).double().mean())
+    assert counted["language"] == pytest.approx(language_prefill_flops(dims, text + 16))
+    tower = vit_flops(hf_vision_dims(model.config.vision_config)) * FRAMES
+    assert tower < counted["vision"] < tower * 1.05  # the tower plus its CLS scoring
+
+
+@pytest.mark.parametrize("scoring", ["cls", "mean"])
+def test_reduction_scores_are_the_towers_own_attention(scoring: str) -> None:
+    """Against the CLIP tower's own attention probabilities (eager attention, output_attentions)
+    in the layer whose output the projector reads: the CLS row, or the mean over every query."""
+    model, _ = tiny.build("llava", width=64, layers=2, vision_width=32, vision_layers=2, image_size=32, patch_size=8,
+                          vision_feature_layer=-1, attn_implementation="eager", seed=2)
+    pixels = torch.randn(3, 3, 32, 32)
+    reducer = PreLLMReduction(model, 0.5, scoring)
+    with torch.no_grad():
+        _, scores, _ = reducer._media({"pixel_values": pixels})
+        probs = model.model.vision_tower(pixels, output_attentions=True).attentions[-1].mean(1)  # [B, L, L]
+    expected = probs[:, 0, 1:] if scoring == "cls" else probs.mean(1)[:, 1:]
+    assert torch.allclose(scores.view(3, -1), expected, atol=1e-6)
+    dims = hf_vision_dims(model.config.vision_config)
+    batch = {"input_ids": torch.zeros(3, 20, dtype=torch.long), "attention_mask": torch.ones(3, 20, dtype=torch.long),
+             "pixel_values": pixels}
+    extra = reduction_flops(reducer, batch)["vision"] - vit_flops(dims)
+    width, n = dims.heads * dims.head_dim, dims.num_tokens
+    queries = 1 if scoring == "cls" else n
+    assert extra == pytest.approx(2 * queries * dims.dim * width + 2 * n * dims.dim * width + 2 * queries * n * width)
+    with pytest.raises(ValueError, match="scoring must be one of cls, mean"):
+        PreLLMReduction(model, 0.5, "max")
+
+
+def test_reduction_refuses_what_it_cannot_rank() -> None:
+    llava_next, _ = tiny.build("llava_next")
+    with pytest.raises(TypeError, match="pre-LLM reduction supports"):
+        PreLLMReduction(llava_next, 0.5)
+    onevision, _ = tiny.build("llava_onevision")
+    with pytest.raises(TypeError):
+        PreLLMReduction(onevision, 0.5)
+    llava, _ = tiny.build("llava")
+    with pytest.raises(ValueError, match="keep must be in"):
+        PreLLMReduction(llava, 0.0)
+
+
+# ----------------------------------------------------------------------------- frame subsampling
+
+
+def test_frame_subsampling_runs_fewer_frames_and_counts_them(model_and_processor: tuple, video_set: Path) -> None:
+    model, processor = model_and_processor
+    full = evaluate(model, processor, video_set / "video_val.json", batch_size=8, max_new_tokens=1,
+                    progress=False, num_frames=FRAMES)
+    half = evaluate(model, processor, video_set / "video_val.json", batch_size=8, max_new_tokens=1,
+                    progress=False, num_frames=FRAMES // 2)
+    tower = vit_flops(hf_vision_dims(model.config.vision_config))
+    assert full.flops_by_part["vision"] == pytest.approx(FRAMES * tower)
+    assert half.flops_by_part["vision"] == pytest.approx(FRAMES // 2 * tower)
+    dims = DecoderDims.from_config(model.config.text_config)
+    drop = full.flops_by_part["language"] - half.flops_by_part["language"]
+    text = 20.0  # any text length: the difference of two prefills is what the frames add
+    assert drop == pytest.approx(
+        language_prefill_flops(dims, text + FRAMES * TOKENS_PER_FRAME) - language_prefill_flops(
+            dims, text + FRAMES // 2 * TOKENS_PER_FRAME), rel=0.2)
+
+
+def test_a_learned_frame_pool_starts_as_the_average_and_counts_its_flops(
+    model_and_processor: tuple, video_set: Path
+) -> None:
+    model, processor = model_and_processor
+    conv, _ = tiny.build("llava_next_video", width=64, layers=4, vision_width=32, vision_layers=2, image_size=32,
+                         patch_size=4, vision_feature_layer=-1, spatial_pool_mode="conv", seed=1)
+    assert tiny.copy_weights(model, conv) == ["model.vision_resampler.pool.weight", "model.vision_resampler.pool.bias"]
+    inputs = _prompts(video_set, processor)
+    with torch.no_grad():
+        assert torch.allclose(conv(**inputs).logits, model(**inputs).logits, atol=1e-5)
+    average = evaluate(model, processor, video_set / "video_val.json", batch_size=8, max_new_tokens=1,
+                       progress=False, num_frames=FRAMES)
+    learned = evaluate(conv, processor, video_set / "video_val.json", batch_size=8, max_new_tokens=1,
+                       progress=False, num_frames=FRAMES)
+    # Per frame: 16 pooled tokens, each a Linear(4 x 32 -> 32) over its 2 x 2 patches.
+    assert learned.flops_by_part["vision"] - average.flops_by_part["vision"] == pytest.approx(
+        FRAMES * 2 * TOKENS_PER_FRAME * 4 * 32 * 32)
+    assert learned.flops_by_part["language"] == average.flops_by_part["language"]
+    reduced = reduction_flops(PreLLMReduction(conv, 0.5), inputs)["vision"]
+    assert reduced - reduction_flops(PreLLMReduction(model, 0.5), inputs)["vision"] == pytest.approx(
+        FRAMES * 2 * TOKENS_PER_FRAME * 4 * 32 * 32)
+
+
+# ----------------------------------------------------------------------------- compute points
+
+
+def test_compute_points_reach_their_targets() -> None:
+    dims = DecoderDims(dim=128, layers=8, heads=4, kv_heads=2, head_dim=32, mlp_hidden=256, vocab=200)
+    counts = TokenCounts(text=20, vision=127.5, frames=8)  # a mean over samples: no whole slots
+    dense = language_prefill_flops(dims, counts.total)
+    layers = list(range(1, 8))
+    for target in (1.5, 2.0, 3.0):
+        c = solve_capacity(dims, counts, target, layers, None)
+        assert dense / mod_language_flops(dims, counts, c, layers, None) == pytest.approx(target, rel=1e-6)
+        keep = solve_keep(dims, counts, target)
+        assert dense / language_prefill_flops(dims, counts.text + keep * counts.vision) == pytest.approx(target, rel=1e-6)
+    assert solve_frames(dims, counts, 2.0) == 4 and solve_frames(dims, counts, 100.0) == 1
+    assert solve_capacity(dims, counts, 100.0, layers, None) == pytest.approx(1e-4)  # out of reach: the least
+
+
+@pytest.mark.parametrize("schedule", [None, "cosine"])
+def test_compute_points_in_whole_slots_never_land_above_their_flops(schedule: str | None) -> None:
+    """k = ceil(capacity * n) rounds up: a capacity solved without it ran 10 of 64 tokens for 9.1
+    (2.91x for a 3x point). The solved capacity runs the most slots that stay at or under the target."""
+    dims = DecoderDims(dim=128, layers=8, heads=8, kv_heads=2, head_dim=16, mlp_hidden=256, vocab=200)
+    counts = TokenCounts(text=10, vision=64)
+    dense = language_prefill_flops(dims, counts.total)
+    layers = list(range(1, 8))
+    for target in (1.5, 2.0, 3.0, 3.5):
+        c = solve_capacity(dims, counts, target, layers, schedule)
+        assert dense / mod_language_flops(dims, counts, c, layers, schedule) >= target
+        assert dense / mod_language_flops(dims, counts, c + 1.5 / 64, layers, schedule) < target  # one slot more
+        if schedule is None:
+            assert c * 64 == round(c * 64)  # exactly k / n
+            keep = solve_keep(dims, counts, target)  # pre-LLM reduction keeps ceil(keep * n) too
+            assert dense / language_prefill_flops(dims, counts.text + math.ceil(keep * 64 - 1e-9)) >= target
+            assert dense / language_prefill_flops(dims, counts.text + math.ceil(keep * 64 - 1e-9) + 1) < target
+
+
+# ----------------------------------------------------------------------------- capacity-elastic fine-tuning
+
+
+@pytest.mark.parametrize("warmup", [0, 3])
+def test_finetune_draws_its_capacity_per_step_and_saves_the_converted_one(
+        model_and_processor: tuple, video_set: Path, tmp_path: Path, warmup: int) -> None:
+    from vlmod.training.train import TrainConfig, TrainError, train
+
+    model, processor = model_and_processor
+    src = tmp_path / "converted"
+    vlmod.apply_mod(model, vlmod.MoDConfig(capacity=0.5, layers=[1, 2, 3], routable=("video",)))
+    try:
+        model.save_pretrained(src)
+    finally:
+        vlmod.remove_mod(model)
+    processor.save_pretrained(src)
+    seen: list[float] = []
+    original = vlmod.api.set_capacity
+
+    def spy(m: torch.nn.Module, c: float, part: str | None = None) -> torch.nn.Module:
+        seen.append(c)
+        return original(m, c, part)
+
+    cfg = TrainConfig(model=str(src), data=str(video_set / "video_train.json"), output_dir=str(tmp_path / "run"),
+                      trainable="router", lr=1e-3, max_steps=6, batch_size=4, num_frames=FRAMES,
+                      capacities=[0.125, 0.25], capacity_warmup=warmup)
+    import vlmod.api as api
+
+    api.set_capacity = spy
+    try:
+        result = train(cfg, progress=False)
+    finally:
+        api.set_capacity = original
+    assert set(seen[warmup:6]) == {0.125, 0.25} and seen[-1] == 0.5
+    if warmup:  # 1.0 at the first step, then a third, two thirds of the way down to the step's draw
+        assert seen[0] == 1.0 and all(0.25 < c < 1.0 for c in seen[1:warmup])
+    saved = vlmod.load_pretrained(result.model_dir)
+    assert set(vlmod.mod_layers(saved).values()) == {0.5}
+    with pytest.raises(TrainError, match="capacities must be"):
+        TrainConfig(model="m", data="d", output_dir="o", capacities=[0.0])
+
+
+def test_step_capacities_fall_from_one_to_the_draw_during_the_warmup() -> None:
+    from vlmod.training.loop import step_capacities
+    from vlmod.training.train import TrainConfig, TrainError
+
+    def caps(**kw: object) -> list[dict[str, float]]:
+        cfg = TrainConfig(model="m", data="d", output_dir="o", **kw)
+        return [step_capacities(cfg, {"language": 0.4}, step, 10) for step in range(10)]
+
+    assert caps() == [{}] * 10  # nothing to set: the converted capacity stays
+    plain = caps(capacity_warmup=0.5)  # five steps, to the converted capacity
+    assert [round(c["language"], 6) for c in plain] == [1.0, 0.88, 0.76, 0.64, 0.52] + [0.4] * 5
+    drawn = caps(capacities=[0.2, 0.6])
+    warm = caps(capacities=[0.2, 0.6], capacity_warmup=4)
+    for step, (d, w) in enumerate(zip(drawn, warm, strict=True)):
+        left = max(0.0, 1 - step / 4)
+        assert w["language"] == pytest.approx(d["language"] + (1 - d["language"]) * left)
+    assert {c["language"] for c in drawn} == {0.2, 0.6}
+    with pytest.raises(TrainError, match="capacity_warmup must be >= 0"):
+        TrainConfig(model="m", data="d", output_dir="o", capacity_warmup=-1)
+
+
+def test_distillation_loss_is_zero_only_for_the_teacher() -> None:
+    from vlmod.training.distill import distillation_loss
+
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 11)
+    labels = torch.full((2, 5), -100)
+    labels[:, 3:] = 4
+    assert float(distillation_loss(logits, logits, labels)) == pytest.approx(0.0, abs=1e-6)
+    other = logits.clone()
+    other[:, 2:4] += torch.randn(2, 2, 11)
+    assert float(distillation_loss(other, logits, labels)) > 0.01
+    early = logits.clone()
+    early[:, :2] += torch.randn(2, 2, 11)  # positions that predict no answer token do not count
+    assert float(distillation_loss(early, logits, labels)) == pytest.approx(0.0, abs=1e-6)
+    # Over a given token count (a process's share of the global count in a multi-process run)
+    # it is the sum over tokens divided by that count: with this batch's own count, the mean.
+    mean = distillation_loss(other, logits, labels)
+    assert float(distillation_loss(other, logits, labels, num_items=4)) == pytest.approx(float(mean))
+    assert float(distillation_loss(other, logits, labels, num_items=torch.tensor(8.0))) == pytest.approx(float(mean) / 2)
+
+
+def _row(method: str, correct: str, target: float | None = None, reduction: float = 1.0) -> dict:
+    return {"method": method, "target": target, "accuracy": correct.count("1") / len(correct),
+            "language_reduction": reduction, "correct": correct}
+
+
+def test_the_gap_to_dense_is_paired_per_question() -> None:
+    from vlmod.evaluation.frontier import paired_gap, verdicts
+
+    dense = _row("dense", "1" * 90 + "0" * 10)
+    same = _row("learned", "1" * 90 + "0" * 10, 3.0, 3.0)
+    assert paired_gap(same, dense) == (0.0, 0.0, 0.0)  # the same answers: no noise at all
+    swapped = _row("learned", "0" * 10 + "1" * 80 + "0" * 10, 3.0, 3.0)  # 10 questions lost, none gained
+    gap, low, high = paired_gap(swapped, dense)
+    assert gap == pytest.approx(-10.0) and low < gap < high
+    # d is -1 on 10 of 100 questions: sd = sqrt(0.1 * 0.9 * 100 / 99), half width 1.96 sd / 10
+    assert high - gap == pytest.approx(100 * 1.96 * math.sqrt(0.09 * 100 / 99) / 10)
+    assert paired_gap(swapped, {"correct": ""}) is None  # no per-question marks: no pairing
+    # A baseline that answered the first 50 questions is paired with MoD on those 50 only.
+    assert paired_gap(swapped, _row("dense", "1" * 50)) == pytest.approx((-20.0, -31.3, -8.7), abs=0.1)
+    one_off = _row("learned", "0" + "1" * 89 + "0" * 10, 3.0, 3.0)  # -1 point, one question
+    lines = verdicts([dense, one_off])
+    assert lines[0].startswith("/3 (3.00x fewer LM FLOPs measured): MoD 89.0% (-1.0 points vs dense, 95% interval")
+    assert "met (at 3.00x), but the 95% interval" in lines[-1] and "within this eval set's noise" in lines[-1]
+    assert "stays within it" in verdicts([dense, same])[-1]
+    # A point whose interval stays within the goal wins over a more reducing one inside the noise.
+    further = _row("learned", "0" + "1" * 89 + "0" * 10, 3.5, 3.6)
+    assert "met (at 3.00x); the 95% interval" in verdicts([dense, same, further])[-1]
+    assert verdicts([dense, swapped])[-1].endswith("NOT met")
+
+
+def test_a_baseline_on_the_first_questions_is_compared_with_mod_on_the_same_questions() -> None:
+    from vlmod.evaluation.frontier import verdicts
+
+    dense = _row("dense", "1" * 100)
+    mod = _row("learned", "0" * 30 + "1" * 70, 3.0, 3.0)  # 70% overall, 25% on the first 40
+    baseline = _row("random", "1" * 20 + "0" * 20, 3.0, 3.0)  # 50% on the first 40: better there
+    assert "beaten by random (50.0%)" in verdicts([dense, mod, baseline])[0]
+    worse = _row("random", "0" * 30 + "1" * 10, 3.0, 3.0)  # 25% on the first 40: a tie is no defeat
+    assert "best of all methods" in verdicts([dense, mod, worse])[0]

@@ -1,0 +1,231 @@
+"""Fine-tuning: what trains, that a step learns, resume, saving, config errors."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from helpers import ROOT
+
+import vlmod
+from vlmod.cli import main as cli_main
+from vlmod.training.setup import load_model
+from vlmod.training.train import (
+    EpochSampler,
+    TrainConfig,
+    TrainError,
+    latest_checkpoint,
+    set_trainable,
+    train,
+)
+
+
+@pytest.fixture(scope="module")
+def workdir(llava_workdir: Callable[..., Path]) -> Path:
+    return llava_workdir("train", train=24, val=6)
+
+
+def _cfg(workdir: Path, out: Path, **kw) -> TrainConfig:
+    base = dict(
+        model=str(workdir / "dense"), data=str(workdir / "data" / "train.json"), output_dir=str(out),
+        batch_size=4, lr=1e-3, max_steps=4, log_steps=1, cache_data=True,
+        mod={"capacity": 0.5, "layers": [1, 2], "routable": ["image"]},
+    )
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _trainable_names(model: torch.nn.Module) -> set[str]:
+    return {n for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_trainable_modes(workdir: Path, tmp_path: Path) -> None:
+    model, _ = load_model(_cfg(workdir, tmp_path))
+    groups = set_trainable(model, "router")
+    assert set(groups) == {"router"} and all("mod_router" in n for n in _trainable_names(model))
+    groups = set_trainable(model, "language")
+    assert set(groups) == {"router", "projector", "language"}
+    assert not any("vision_tower" in n for n in _trainable_names(model))
+    groups = set_trainable(model, "full", train_vision_tower=True)
+    assert "vision" in groups
+    assert len(_trainable_names(model)) == len(list(model.parameters()))
+
+
+def test_one_step_lowers_the_loss_on_a_fixed_batch(workdir: Path, tmp_path: Path) -> None:
+    cfg = _cfg(workdir, tmp_path)
+    model, processor = load_model(cfg)
+    ds = vlmod.data.LlavaDataset(cfg.data, processor)
+    batch = ds.collate([ds[i] for i in range(4)])
+    set_trainable(model, "language")
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    model.train()
+    before = model(**batch).loss
+    before.backward()
+    opt.step()
+    with torch.no_grad():
+        after = model(**batch).loss
+    assert after < before
+
+
+def test_train_saves_a_model_that_load_pretrained_reads(workdir: Path, tmp_path: Path) -> None:
+    cfg = _cfg(workdir, tmp_path, trainable="router", lr=1e-2, aux_loss=None)
+    result = train(cfg, progress=False)
+    assert result.step == 4 and result.model_dir == tmp_path / "model"
+    assert [h["step"] for h in result.history] == [1, 2, 3, 4]
+    assert all(0.0 < h["skip_rate"] < 1.0 for h in result.history)
+    loaded = vlmod.load_pretrained(result.model_dir)
+    assert vlmod.mod_layers(loaded) == {("language", 1): 0.5, ("language", 2): 0.5}
+    router = loaded.model.language_model.mod_router
+    assert router.weight.abs().sum() > 0, "the router did not move from its zero init"
+    dense = vlmod.load_pretrained(workdir / "dense")
+    for name, p in dense.named_parameters():  # router-only: every other weight as it was
+        torch.testing.assert_close(loaded.get_parameter(name), p, rtol=0, atol=0)
+    log = json.loads((tmp_path / "train_log.json").read_text())
+    assert log["config"]["trainable"] == "router" and len(log["history"]) == 4
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_resume_continues_with_the_same_step_optimizer_and_data(workdir: Path, tmp_path: Path) -> None:
+    # 24 samples in batches of 4: 6 steps an epoch, so the resumed run crosses into epoch 1.
+    straight = train(_cfg(workdir, tmp_path / "a", max_steps=9, save_steps=3, seed=3), progress=False)
+    checkpoint = tmp_path / "a" / "checkpoints" / "step-3"
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    assert {k: state[k] for k in ("step", "epoch", "batch_in_epoch")} == {"step": 3, "epoch": 0, "batch_in_epoch": 3}
+    assert state["run"]["seed"] == 3 and "output_dir" not in state["run"]  # the run it belongs to
+    assert latest_checkpoint(tmp_path / "a").name == "step-6"
+    # A second run that only has the step-3 checkpoint picks up from there.
+    (tmp_path / "b" / "checkpoints").mkdir(parents=True)
+    checkpoint.rename(tmp_path / "b" / "checkpoints" / "step-3")
+    resumed = train(_cfg(workdir, tmp_path / "b", max_steps=9, save_steps=3, seed=3, resume="latest"), progress=False)
+    assert resumed.step == 9
+    assert [h["step"] for h in resumed.history] == [4, 5, 6, 7, 8, 9]
+    assert [h["loss"] for h in resumed.history] == pytest.approx([h["loss"] for h in straight.history[3:]], rel=1e-5)
+    a = vlmod.load_pretrained(straight.model_dir).state_dict()
+    b = vlmod.load_pretrained(resumed.model_dir).state_dict()
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6)
+
+
+def test_epochs_count_partial_accumulation_steps(workdir: Path, tmp_path: Path) -> None:
+    # 6 batches an epoch, accumulating 4: steps after batches 4 and 6, so 2 epochs are 4 steps.
+    result = train(_cfg(workdir, tmp_path, max_steps=None, epochs=2, gradient_accumulation_steps=4,
+                        trainable="router"), progress=False)
+    assert result.step == 4
+
+
+def test_yaml_values_are_typed_or_named_errors() -> None:
+    cfg = TrainConfig.from_dict({"model": "m", "data": "d.json", "output_dir": "o", "lr": "2e-5", "max_steps": 10.0})
+    assert cfg.lr == 2e-5 and cfg.max_steps == 10 and isinstance(cfg.max_steps, int)
+    with pytest.raises(TrainError, match="mod must be"):
+        TrainConfig.from_dict({"model": "m", "data": "d.json", "output_dir": "o", "mod": 0.5})
+    with pytest.raises(TrainError, match="lr must be"):
+        TrainConfig.from_dict({"model": "m", "data": "d.json", "output_dir": "o", "lr": "fast"})
+
+
+def test_lora_is_merged_into_the_saved_model(workdir: Path, tmp_path: Path) -> None:
+    result = train(_cfg(workdir, tmp_path, trainable="lora", lora_r=4, max_steps=2), progress=False)
+    loaded = vlmod.load_pretrained(result.model_dir)
+    assert not any("lora" in n for n in loaded.state_dict())
+    dense = vlmod.load_pretrained(workdir / "dense")
+    q = "model.language_model.layers.1.self_attn.q_proj.weight"
+    assert not torch.equal(loaded.get_parameter(q), dense.get_parameter(q)), "LoRA update was not merged"
+    v = "model.vision_tower.encoder.layers.0.self_attn.q_proj.weight"
+    torch.testing.assert_close(loaded.get_parameter(v), dense.get_parameter(v), rtol=0, atol=0)
+
+
+def test_epoch_sampler_order_depends_on_seed_and_epoch_only() -> None:
+    a, b = EpochSampler(20, seed=1), EpochSampler(20, seed=1)
+    a.set_epoch(2)
+    b.set_epoch(2)
+    assert list(a) == list(b) and sorted(a) == list(range(20))
+    b.set_epoch(3)
+    assert list(a) != list(b)
+
+
+def test_cli_finetune_with_yaml_and_overrides(workdir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": str(workdir / "dense"), "data": str(workdir / "data" / "train.json"),
+        "val_data": str(workdir / "data" / "val.json"), "output_dir": str(tmp_path / "run"),
+        "trainable": "full", "max_steps": 50, "batch_size": 4, "eval_steps": 1,
+    }))
+    assert cli_main(["finetune", "--config", str(config), "--max-steps", "1", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "1 steps" in out and "validation loss" in out
+    assert (tmp_path / "run" / "model" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"nonsense": 1}, "unknown finetune setting"),
+        ({"data": "missing.json"}, "does not exist"),
+        ({"trainable": "everything"}, "trainable must be one of"),
+        ({"mod": {"capacity": 1.5}}, "capacity"),
+        ({"mod": {"layers": "arank:2"}}, "vlmod convert"),
+        ({"resume": "latest"}, "no complete checkpoint"),
+    ],
+)
+def test_bad_settings_are_one_error_line(
+    workdir: Path, tmp_path: Path, capsys: pytest.CaptureFixture, settings: dict, message: str
+) -> None:
+    run = {"model": str(workdir / "dense"), "data": str(workdir / "data" / "train.json"), "output_dir": str(tmp_path / "o")}
+    run.update(settings)
+    config = tmp_path / "bad.yaml"
+    config.write_text(yaml.safe_dump(run))
+    assert cli_main(["finetune", "--config", str(config), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and message in err and "Traceback" not in err
+
+
+def test_router_mode_needs_routers_and_a_llava_model(workdir: Path, tmp_path: Path) -> None:
+    with pytest.raises(TrainError, match="no MoD routers"):
+        load_model(_cfg(workdir, tmp_path, mod=None, trainable="router"))
+    from transformers import CLIPVisionConfig, CLIPVisionModel
+
+    CLIPVisionModel(CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=4, image_size=32, patch_size=8)).save_pretrained(tmp_path / "clip")
+    with pytest.raises(TrainError, match="supports vision-language models"):
+        load_model(_cfg(workdir, tmp_path, model=str(tmp_path / "clip")))
+
+
+def test_two_process_data_parallel_run_is_the_standard_accelerate_path(workdir: Path, tmp_path: Path) -> None:
+    """DDP over two CPU processes (gloo), launched by torchrun as on a multi-GPU machine."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = ROOT / "scripts" / "finetune.py"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port), str(script),
+        "--model", str(workdir / "dense"), "--data", str(workdir / "data" / "train.json"),
+        "--output-dir", str(tmp_path / "ddp"), "--trainable", "full", "--max-steps", "2", "--batch-size", "4",
+        "--save-steps", "1", "--no-progress",
+    ]
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "2 steps of 8" in done.stdout, "two processes of 4 samples each make a global batch of 8"
+    assert done.stdout.count("model saved to") == 1
+    checkpoint = tmp_path / "ddp" / "checkpoints" / "step-1"
+    assert {p.name for p in checkpoint.glob("random_states_*.pkl")} == {"random_states_0.pkl", "random_states_1.pkl"}
+    assert vlmod.mod_layers(vlmod.load_pretrained(tmp_path / "ddp" / "model")) == {}
+
+
+def test_gradient_checkpointing_and_a_capacity_schedule_train(workdir: Path, tmp_path: Path) -> None:
+    mod = {"capacity": 0.5, "layers": [1, 2, 3], "routable": ["image"], "capacity_schedule": "cosine", "aux_loss": "bce"}
+    result = train(_cfg(workdir, tmp_path, mod=mod, gradient_checkpointing=True, max_steps=2), progress=False)
+    loaded = vlmod.load_pretrained(result.model_dir)
+    capacities = vlmod.mod_layers(loaded)
+    assert sorted(capacities) == [("language", 1), ("language", 2), ("language", 3)]
+    assert capacities[("language", 1)] > capacities[("language", 3)]
+    assert loaded.config.vlmod["language"]["aux_loss"] == "bce"

@@ -1,0 +1,45 @@
+"""What every command module of `vlmod` shares: the usage error, the exit status of bad input, the
+flags that name a checkpoint, and the value types of `--capacity` / `--layers`."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from vlmod.bench import parse_layers
+
+EXIT_USAGE = 2
+# Arguments that name a checkpoint (a local directory or a hub id), as (dest, flag): a command sets
+# `model_flags` and `main` checks them before any work, so that a hub id off the network is one
+# line within seconds (vlmod.io.paths.check_model_arg), not transformers' retry loop.
+MODEL_FLAG = (("model", "--model"),)
+
+SubParsers = Any  # argparse._SubParsersAction, which argparse does not export
+
+
+class UsageError(Exception):
+    """Bad input from the command line: reported as `error: <message>`, exit status 2."""
+
+
+def capacity(text: str) -> float:
+    """`--capacity`: the fraction of routable tokens a MoD layer processes, in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"capacity must be a number in (0, 1], got {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(
+            f"capacity must be in (0, 1] (the fraction of routable tokens a MoD layer processes), got {text}"
+        )
+    return value
+
+
+def layers(text: str) -> str | list[int]:
+    """`--layers`: every_other | all | a comma list of block indices."""
+    try:
+        return parse_layers(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+__all__ = ["EXIT_USAGE", "MODEL_FLAG", "SubParsers", "UsageError", "capacity", "layers"]

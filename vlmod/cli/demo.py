@@ -1,0 +1,59 @@
+"""`vlmod demo`: the web demo (needs the `demo` extra)."""
+
+from __future__ import annotations
+
+import argparse
+
+from vlmod.cli.argtypes import device, non_negative_int, port, positive_float, positive_int
+from vlmod.cli.common import SubParsers, UsageError
+
+
+def add_demo_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
+    """`vlmod demo`: the web demo (needs the `demo` extra)."""
+    p = subparsers.add_parser(
+        "demo",
+        help="web demo: which vision tokens each MoD layer runs, on your images and videos",
+        description="Serve the vlmod web demo: upload an image or a video (or pick an example), ask a "
+        "question, and see per patch how many MoD layers ran each vision token. Without --model it "
+        "serves the embedded tiny model trained on the synthetic set.",
+    )
+    p.add_argument("--model", default=None, help="converted checkpoint directory or hub id (default: the embedded demo model)")
+    p.add_argument("--dense", default=None, help="dense checkpoint (directory or hub id) to compare answers and "
+                   "latency with (default: the embedded dense model when --model is not given)")
+    p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: 127.0.0.1)")
+    p.add_argument("--port", type=port, default=8000, help="port (default: 8000)")
+    p.add_argument("--max-upload-mb", type=positive_float, default=25.0, help="largest upload in MB (default: 25)")
+    p.add_argument(
+        "--max-active", type=positive_int, default=2,
+        help="requests decoding / running at once; bounds memory (default: 2)",
+    )
+    p.add_argument(
+        "--max-waiting", type=non_negative_int, default=8,
+        help="requests queued for a turn; more get 503 (default: 8)",
+    )
+    p.add_argument("--max-new-tokens", type=positive_int, default=16, help="answer length in tokens (default: 16)")
+    p.add_argument("--frames", type=positive_int, default=8, help="frames sampled from a video (default: 8)")
+    p.add_argument("--device", type=device, default="cpu", help="torch device, e.g. cpu or cuda (default: cpu)")
+    p.add_argument("--timing-runs", type=non_negative_int, default=3, help="timed generate runs per model per "
+                   "request, MoD and dense interleaved, median shown; 0 = no latency (default: 3)")
+    p.set_defaults(run=run_demo, model_flags=(("model", "--model"), ("dense", "--dense")))
+    return p
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    try:
+        from vlmod.demo.app import DemoSetupError, serve
+    except ImportError as e:
+        raise UsageError(f"the demo needs its extra: pip install 'vlmod[demo]' ({e})") from None
+    try:
+        serve(
+            args.model, args.dense, host=args.host, port=args.port, max_upload_mb=args.max_upload_mb,
+            max_new_tokens=args.max_new_tokens, num_frames=args.frames, device=args.device,
+            max_active=args.max_active, max_waiting=args.max_waiting, timing_runs=args.timing_runs,
+        )
+    except (DemoSetupError, FileNotFoundError, TypeError, ValueError) as e:
+        raise UsageError(str(e)) from None
+    return 0
+
+
+__all__ = ["add_demo_parser", "run_demo"]

@@ -1,0 +1,134 @@
+"""`vlmod recipe` / `scripts/synthetic_recipe.py`: the flags of `vlmod.recipes.recipe` (each shows both
+tasks' defaults) and the command that checks them and runs the recipe."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from vlmod.cli.argtypes import int_at_least, non_negative_float, positive_int
+from vlmod.cli.common import SubParsers
+from vlmod.errors import InputError
+from vlmod.recipes.settings import TASKS, RecipeSettings
+
+_FLAGS: tuple[tuple[str, Any, str], ...] = (
+    ("num_train", positive_int, "training images (image task) or clips (video task)"),
+    ("num_val", positive_int, "validation samples: dense, the control and MoD answer them all"),
+    ("baseline_samples", positive_int, "the other methods answer the first N validation samples (None: all)"),
+    ("frames", positive_int, "frames per clip (video task)"),
+    ("video_pool", str, "pooling of each frame's 2x2 patches (video task): average, max, or conv (learned, "
+                        "starts as average)"),
+    ("width", positive_int, "language model width"),
+    ("layers", positive_int, "language model layers"),
+    ("vision_width", positive_int, "vision tower width"),
+    ("tower_steps", int_at_least(0), "steps of vision tower pretraining on what each training image's patches show "
+                                     "(shape and colour of their object; 0: none)"),
+    ("dense_steps", positive_int, "steps of dense training from scratch"),
+    ("refine_steps", int_at_least(0), "steps of the second dense stage: tower frozen, distilled from the first "
+                                      "dense model, which later stages then replace by the refined one (0: none)"),
+    ("image_steps", int_at_least(0), "steps of the image stage before video training (0: none)"),
+    ("dense_lr", float, "learning rate of dense training"),
+    ("batch_size", positive_int, "training batch size"),
+    ("mod_steps", positive_int, "steps of MoD fine-tuning"),
+    ("mod_lr", float, "learning rate of MoD fine-tuning"),
+    ("router_lr", float, "learning rate of the routers"),
+    ("capacity_warmup", non_negative_float, "share of the MoD fine-tune over which capacity falls from 1.0 to "
+                                            "each step's draw (or a step count if >= 1)"),
+    ("mod_layers", str, "converted language layers: 'all' (every layer but 0) or 'arank:N'"),
+    ("schedule", str, "per-layer capacity schedule: none or cosine"),
+    ("seed", int, "seed of data, init, training and evaluation"),
+)
+
+
+def add_recipe_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
+    """`vlmod recipe`: the synthetic recipe end to end (the README's Results)."""
+    p = subparsers.add_parser(
+        "recipe",
+        help="the synthetic recipe: data, dense from scratch, ARank, convert, fine-tune, evaluate, baselines",
+        description="Run the offline synthetic recipe end to end into --out and write results.md / results.json.",
+    )
+    return add_recipe_arguments(p)
+
+
+def add_recipe_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Flags of `vlmod recipe` / `scripts/synthetic_recipe.py`: a task, its defaults, overrides."""
+    parser.add_argument("--task", default="image", choices=TASKS, help="image or video recipe (default: image)")
+    parser.add_argument("--out", default=None, help="output folder (default: runs/synthetic-TASK)")
+    parser.add_argument("--quick", action="store_true", help="toy sizes: the whole pipeline in under 2 minutes")
+    image, vid = RecipeSettings.for_task("image"), RecipeSettings.for_task("video")
+    for name, kind, text in _FLAGS:
+        a, b = getattr(image, name), getattr(vid, name)
+        shown = f"{a}" if a == b else f"image {a}, video {b}"
+        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, default=None,
+                            help=f"{text} (default: {shown})")
+    parser.add_argument("--targets", type=float, nargs="+", default=None,
+                        help=f"LM prefill FLOPs reductions to reach (default: {' '.join(map(str, image.targets))})")
+    parser.add_argument("--routers", nargs="*", default=None,
+                        help=f"baselines at every point (default: {' '.join(image.routers)})")
+    parser.add_argument("--image-model", default=None, metavar="DIR",
+                        help="video task: start from this image LLaVA of the same sizes (e.g. the image recipe's "
+                             "runs/synthetic-image/dense/model) instead of training the image stage (default: train it)")
+    parser.add_argument("--captions", action=argparse.BooleanOptionalAction, default=None,
+                        help="a caption record (every object in words) beside each training sample "
+                             "(default: image off, video on)")
+    parser.add_argument("--no-distill", action="store_true",
+                        help="MoD fine-tuning without distillation from the dense model (default: distill)")
+    parser.add_argument("--dense-control", action="store_true",
+                        help="also fine-tune the dense model exactly as the MoD stage (steps, lr, distillation), "
+                             "unconverted: what the extra training alone gives (default: off; costs about the "
+                             "MoD stage's time again)")
+    parser.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--reuse-dense", action="store_true",
+                        help="keep the dense model of an earlier run in --out (same settings); rerun the MoD stages "
+                             "(default: train it)")
+    parser.add_argument("--reuse-trained", action="store_true",
+                        help="with --reuse-dense: keep the MoD fine-tune and the control of that run too (same "
+                             "settings) and only evaluate again, e.g. after a baseline changed (default: train them)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.set_defaults(run=run_recipe_command)
+    return parser
+
+
+def run_recipe_command(args: argparse.Namespace) -> int:
+    from vlmod.config import ROUTERS
+
+    overrides = {name: getattr(args, name) for name, _, _ in _FLAGS if getattr(args, name) is not None}
+    if overrides.get("schedule") == "none":
+        overrides["schedule"] = None
+    elif overrides.get("schedule") not in (None, "cosine"):
+        raise InputError(f"--schedule must be none or cosine, got {overrides['schedule']!r}")
+    if args.targets is not None:
+        overrides["targets"] = tuple(args.targets)
+    if args.routers is not None:
+        bad = [r for r in args.routers if r not in ROUTERS or r in ("learned", "inverted")]
+        if bad:
+            raise InputError(f"--routers: unknown baseline(s) {bad}; choose from random, stride, attention")
+        overrides["routers"] = tuple(args.routers)
+    if args.threads is not None:
+        overrides["threads"] = args.threads
+    if args.captions is not None:
+        overrides["captions"] = args.captions
+    if args.no_distill:
+        overrides["distill"] = False
+    if args.dense_control:
+        overrides["dense_control"] = True
+    if args.image_model is not None:
+        if args.task != "video":
+            raise InputError("--image-model is for --task video (the image stage of the video recipe)")
+        if not (Path(args.image_model).expanduser() / "config.json").is_file():
+            raise InputError(f"--image-model {args.image_model} is not a checkpoint folder (no config.json)")
+        overrides["image_model"] = str(Path(args.image_model).expanduser().resolve())
+    settings = RecipeSettings.for_task(args.task, quick=args.quick, **overrides)
+    from vlmod.io.paths import check_output_dir
+
+    out = check_output_dir(args.out or f"runs/synthetic-{args.task}", "--out")
+    from vlmod.recipes.recipe import run_recipe  # the training stack loads when a recipe runs, not for --help
+
+    run_recipe(out, settings, progress=not args.no_progress, reuse_dense=args.reuse_dense,
+               reuse_trained=args.reuse_trained)
+    print(f"results written to {out / 'results.md'}, results.json and frontier.png")
+    return 0
+
+
+__all__ = ["add_recipe_arguments", "add_recipe_parser", "run_recipe_command"]

@@ -1,0 +1,97 @@
+"""What keeps the demo server within bounds: the request body cap, the gate that bounds how many
+requests decode and run at once, and uploads copied to disk in chunks."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from starlette.datastructures import UploadFile
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+
+class BodyTooLarge(Exception):
+    """A request body went past the limit while it was read."""
+
+
+def error(message: str, status: int) -> JSONResponse:
+    """The demo's error response: `{"error": message}`."""
+    return JSONResponse({"error": message}, status_code=status)
+
+
+def too_large(limit: int) -> JSONResponse:
+    return error(f"the upload is too large: the demo takes files up to {limit / 2**20:.0f} MB", 413)
+
+
+class WorkGate:
+    """At most `active` requests inside the heavy section (decode + model), at most `waiting` more
+    queued for it; `admit` is False when both are full (the caller answers 503). Thread-based, so
+    it does not depend on which event loop serves the request."""
+
+    def __init__(self, active: int, waiting: int) -> None:
+        self.active, self.waiting = active, waiting
+        self._slots = threading.Semaphore(active)
+        self._lock = threading.Lock()
+        self._admitted = 0
+
+    def admit(self) -> bool:
+        with self._lock:
+            if self._admitted >= self.active + self.waiting:
+                return False
+            self._admitted += 1
+            return True
+
+    def leave(self) -> None:
+        with self._lock:
+            self._admitted -= 1
+
+    def acquire(self) -> None:
+        self._slots.acquire()
+
+    def release(self) -> None:
+        self._slots.release()
+
+
+class BodyLimit:
+    """Refuse request bodies over `limit` bytes: by Content-Length up front, else while reading."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            await too_large(self.limit)(scope, receive, send)
+            return
+        seen = 0
+
+        async def counted() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise BodyTooLarge
+            return message
+
+        await self.app(scope, counted, send)
+
+
+async def save_upload(upload: UploadFile, path: Path, limit: int) -> int | None:
+    """Copy an upload to `path` in chunks; None (and nothing kept) when it is over `limit` bytes."""
+    size = 0
+    with path.open("wb") as out:
+        while chunk := await upload.read(1 << 20):
+            size += len(chunk)
+            if size > limit:
+                break
+            out.write(chunk)
+    if size > limit:
+        path.unlink(missing_ok=True)
+        return None
+    return size

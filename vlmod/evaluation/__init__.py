@@ -1,0 +1,1 @@
+"""Accuracy against compute: evaluation, the lmms-eval model, the router audit, the frontier."""

@@ -1,0 +1,294 @@
+"""The compute-accuracy frontier: MoD against what users would run instead, at the same FLOPs.
+
+A compute point is a target reduction of language-model prefill FLOPs (dense / method, e.g. 3x).
+Each method reaches it with its own knob, solved here from the analytic counts of `vlmod.tools.flops`
+on the eval set's mean token counts:
+
+- MoD (`learned`, and the `random` / `stride` routers on the same weights, and the training-free
+  `attention` router on the dense weights): the mean capacity of the converted layers;
+- pre-LLM reduction (`reduce`, VisionZip-like, `vlmod.tools.reduction`): the fraction of vision tokens
+  kept;
+- frame subsampling (`frames`, video): the number of frames, the nearest whole number.
+
+The FLOPs reported are those each evaluation counted (the tokens really run, each method's own
+overhead included), so a knob that lands off its target shows as such.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vlmod.routing.schedule import capacity_to_k, layer_capacities
+from vlmod.tools.flops import DecoderDims, language_prefill_flops
+
+METHOD_LABELS = {
+    "dense": "dense",
+    "learned": "MoD, learned router (fine-tuned)",
+    "random": "MoD weights, random router",
+    "stride": "MoD weights, stride router",
+    "attention": "dense weights, attention router (training-free, FastV-like)",
+    "reduce": "pre-LLM reduction, CLS attention (VisionZip-like, training-free)",
+    "reduce-mean": "pre-LLM reduction, every query's attention (VisionZip without a CLS)",
+    "frames": "frame subsampling (dense)",
+    "learned+vision": "MoD learned + vision tower MoD (attention router)",
+    "dense-control": "dense, fine-tuned again as the MoD stage (control)",
+}
+
+
+@dataclass(frozen=True)
+class TokenCounts:
+    """Mean tokens per sample of an eval set's prompts: text (always run) and vision."""
+
+    text: float
+    vision: float
+    frames: int = 1  # pictures per sample (video frames)
+
+    @property
+    def total(self) -> float:
+        return self.text + self.vision
+
+
+def _bisect(f: Any, lo: float, hi: float, target: float, steps: int = 60, at_most: bool = False) -> float:
+    """x in [lo, hi] with f(x) = target for f increasing in x (clamped to the ends); `at_most`:
+    the x just under a step of f that jumps over the target (f(x) <= target)."""
+    if f(lo) >= target:
+        return lo
+    if f(hi) <= target:
+        return hi
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if f(mid) < target else (lo, mid)
+    return lo if at_most else hi
+
+
+def _routed(capacity: float, vision: float) -> float:
+    """Vision tokens a MoD layer runs at `capacity`: whole slots (k = ceil(capacity * n), as the
+    engine counts them) when every sample has the same `vision` tokens, else the mean's share."""
+    return capacity_to_k(capacity, int(vision)) if float(vision).is_integer() else capacity * vision
+
+
+def _whole_slots(fraction: float, vision: float) -> float:
+    """`fraction` as exactly k / n where slots are whole: reads better, and no float noise at the
+    edge of a step can round k up."""
+    return _routed(fraction, vision) / vision if vision else fraction
+
+
+def mod_language_flops(dims: DecoderDims, counts: TokenCounts, capacity: float, layers: Sequence[int],
+                       schedule: str | None, overhead_per_layer: float = 0.0) -> float:
+    """Language prefill FLOPs of MoD at mean `capacity` on `layers`, plus a per-MoD-layer overhead
+    (the attention router's scoring)."""
+    caps = layer_capacities(capacity, layers, dims.layers, schedule)
+    processed = {i: counts.text + _routed(c, counts.vision) for i, c in caps.items()}
+    return language_prefill_flops(dims, counts.total, processed) + overhead_per_layer * len(caps)
+
+
+def solve_capacity(dims: DecoderDims, counts: TokenCounts, reduction: float, layers: Sequence[int],
+                   schedule: str | None, overhead_per_layer: float = 0.0) -> float:
+    """Mean MoD capacity whose language prefill FLOPs (with its overhead) are at most dense /
+    `reduction`: with whole slots, the most slots under the target (so a point never lands above
+    its FLOPs because k was rounded up); the smallest capacity tried (1e-4) where the target is out
+    of reach."""
+    target = language_prefill_flops(dims, counts.total) / reduction
+    capacity = _bisect(lambda c: mod_language_flops(dims, counts, c, layers, schedule, overhead_per_layer), 1e-4,
+                       1.0, target, at_most=True)
+    return _whole_slots(capacity, counts.vision) if schedule is None else capacity
+
+
+def solve_keep(dims: DecoderDims, counts: TokenCounts, reduction: float) -> float:
+    """Fraction of vision tokens a pre-LLM reduction keeps for at most dense / `reduction` LM FLOPs
+    (it keeps ceil(keep * n) too)."""
+    target = language_prefill_flops(dims, counts.total) / reduction
+    keep = _bisect(lambda r: language_prefill_flops(dims, counts.text + _routed(r, counts.vision)), 1e-4, 1.0,
+                   target, at_most=True)
+    return _whole_slots(keep, counts.vision)
+
+
+def solve_frames(dims: DecoderDims, counts: TokenCounts, reduction: float) -> int:
+    """Whole number of frames (of `counts.frames`) nearest to dense / `reduction` LM FLOPs."""
+    target = language_prefill_flops(dims, counts.total) / reduction
+    per_frame = counts.vision / counts.frames
+
+    def cost(f: int) -> float:
+        return abs(language_prefill_flops(dims, counts.text + f * per_frame) - target)
+
+    return min(range(1, counts.frames + 1), key=cost)
+
+
+def row(method: str, target: float | None, setting: str, report: Any, extra_language_flops: float = 0.0,
+        dense_language: float | None = None) -> dict[str, Any]:
+    """One frontier row from an `EvalReport` (plus a method overhead the report did not count).
+    `dense_language`: the dense model's LM FLOPs on the full inputs, the reduction's reference
+    (default: the report's own dense count, which for frame subsampling is on fewer frames)."""
+    parts = dict(report.flops_by_part)
+    dense = dict(report.dense_flops_by_part)
+    parts["language"] = parts.get("language", 0.0) + extra_language_flops
+    reference = dense["language"] if dense_language is None else dense_language
+    return {
+        "method": method,
+        "label": METHOD_LABELS.get(method, method),
+        "target": target,
+        "setting": setting,
+        "accuracy": report.accuracy,
+        "accuracy_by_type": dict(report.accuracy_by_type),
+        "answer_loss": report.answer_loss,
+        "vision_tokens_run": report.mean_processed_fraction,
+        "gflops": {k: v / 1e9 for k, v in parts.items()},
+        "dense_gflops": {k: v / 1e9 for k, v in dense.items()},
+        "gflops_total": sum(parts.values()) / 1e9,
+        "language_reduction": reference / parts["language"] if parts.get("language") else 1.0,
+        "samples": len(report.samples),
+        # Per question, in eval order (1 = right): every method answers the same questions, so the
+        # gap to dense is a paired difference (`paired_gap`).
+        "correct": "".join("1" if x.correct else "0" for x in report.samples),
+    }
+
+
+def paired_gap(a: Mapping[str, Any], b: Mapping[str, Any]) -> tuple[float, float, float] | None:
+    """Accuracy of row `a` minus row `b` in points, with its 95% interval (normal approximation of
+    the mean per-question difference: the questions both got right or wrong add no noise), over
+    the questions both answered (the rows come from one eval set in one order, one of them
+    perhaps on its first N only: the recipe's baselines), or None without per-question marks."""
+    ca, cb = a.get("correct"), b.get("correct")
+    n = min(len(ca or ""), len(cb or ""))
+    if n < 2:
+        return None
+    ca, cb = ca[:n], cb[:n]
+    diffs = [int(x) - int(y) for x, y in zip(ca, cb, strict=True)]
+    mean = sum(diffs) / n
+    var = sum((d - mean) ** 2 for d in diffs) / (n - 1)
+    half = 1.96 * (var / n) ** 0.5
+    return 100 * mean, 100 * (mean - half), 100 * (mean + half)
+
+
+def _accuracy_on(a: Mapping[str, Any], b: Mapping[str, Any]) -> float:
+    """Row `a`'s accuracy on the questions both rows answered (the first N of one eval set)."""
+    ca, cb = a.get("correct") or "", b.get("correct") or ""
+    if not ca or not cb or len(ca) <= len(cb):
+        return a["accuracy"]
+    return ca[:len(cb)].count("1") / len(cb)
+
+
+def _gap_text(mod: Mapping[str, Any], dense: Mapping[str, Any], name: str = "dense") -> str:
+    gap = paired_gap(mod, dense)
+    if gap is None:
+        return f"{100 * (mod['accuracy'] - dense['accuracy']):+.1f} points vs {name}"
+    return f"{gap[0]:+.1f} points vs {name}, 95% interval {gap[1]:+.1f} to {gap[2]:+.1f}"
+
+
+def format_frontier(rows: Sequence[Mapping[str, Any]], temporal: Sequence[str] = ()) -> str:
+    """Markdown: one line per (method, compute point); types marked * need several frames."""
+    types = sorted({t for r in rows for t in r["accuracy_by_type"]}, key=lambda t: (t not in temporal, t))
+    headers = ["method", "LM FLOPs target", "setting", "accuracy", *(f"{t}*" if t in temporal else t for t in types),
+               "answer loss", "vision tokens run", "LM GFLOPs", "vision GFLOPs", "LM reduction"]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    for r in rows:
+        cells = [
+            r["label"], "-" if r["target"] is None else f"/{r['target']:g}", r["setting"], f"{100 * r['accuracy']:.1f}%",
+            *(_pct(r["accuracy_by_type"].get(t)) for t in types), f"{r['answer_loss']:.3f}",
+            f"{100 * r['vision_tokens_run']:.0f}%", f"{r['gflops'].get('language', 0):.4f}",
+            f"{r['gflops'].get('vision', 0):.4f}", f"{r['language_reduction']:.2f}x",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def verdicts(rows: Sequence[Mapping[str, Any]], goal: float = 3.0, within: float = 0.01) -> list[str]:
+    """The issue's goal checked on the rows: MoD within `within` of dense at `goal`x fewer LM FLOPs,
+    and MoD at least as accurate as every other method at each compute point."""
+    dense = next(r for r in rows if r["method"] == "dense")
+    lines = []
+    targets = sorted({r["target"] for r in rows if r["target"] is not None})
+    for t in targets:
+        at = [r for r in rows if r["target"] == t and r["method"] != "learned+vision"]
+        mod = next((r for r in at if r["method"] == "learned"), None)
+        if mod is None:
+            continue
+        better = [r for r in at if r["method"] != "learned" and _accuracy_on(r, mod) > _accuracy_on(mod, r)]
+        best = "best of all methods" if not better else "beaten by " + ", ".join(
+            f"{r['method']} ({100 * r['accuracy']:.1f}%)" for r in better)
+        lines.append(
+            f"/{t:g} ({mod['language_reduction']:.2f}x fewer LM FLOPs measured): MoD {100 * mod['accuracy']:.1f}% "
+            f"({_gap_text(mod, dense)}): {best}"
+        )
+    reached = [r for r in rows if r["method"] == "learned" and r["language_reduction"] >= goal * 0.97]
+    ok = [r for r in reached if r["accuracy"] >= dense["accuracy"] - within]
+    verdict = "NOT met"
+    if ok:
+        # The most reducing point whose interval stays within the goal, else the most reducing one.
+        proven = [r for r in ok if (g := paired_gap(r, dense)) is not None and g[1] >= -100 * within]
+        best = max(proven or ok, key=lambda r: r["language_reduction"])
+        verdict = f"met (at {best['language_reduction']:.2f}x)"
+        gap = paired_gap(best, dense)
+        if gap is not None:  # is the point estimate more than this eval set's noise?
+            verdict += (f"; the 95% interval of the gap ({gap[1]:+.1f} to {gap[2]:+.1f} points) stays within it"
+                        if gap[1] >= -100 * within else
+                        f", but the 95% interval of the gap ({gap[1]:+.1f} to {gap[2]:+.1f} points) reaches past "
+                        f"-{100 * within:g}: within this eval set's noise")
+    lines.append(
+        f"goal ({goal:g}x fewer LM prefill FLOPs within {100 * within:g} point of dense "
+        f"{100 * dense['accuracy']:.1f}%): {verdict}"
+    )
+    control = next((r for r in rows if r["method"] == "dense-control"), None)
+    if control is not None:
+        # The MoD model trained longer than dense did: the control says what that alone gave.
+        line = (f"control, the dense model fine-tuned again as the MoD stage (unconverted): "
+                f"{100 * control['accuracy']:.1f}% ({_gap_text(control, dense)})")
+        if reached:
+            at = min(reached, key=lambda r: r["language_reduction"])
+            line += (f"; MoD at {at['language_reduction']:.2f}x against it: {100 * at['accuracy']:.1f}% "
+                     f"({_gap_text(at, control, 'the control')})")
+        lines.append(line)
+    return lines
+
+
+def plot_frontier(rows: Sequence[Mapping[str, Any]], path: str | Path, title: str) -> None:
+    """PNG: accuracy against language-model prefill GFLOPs per sample, one curve per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from vlmod.io.files import write_bytes_atomic
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=120)
+    dense = next(r for r in rows if r["method"] == "dense")
+    markers = dict(zip(METHOD_LABELS, "*os^vDdPXh", strict=False))
+    for method in METHOD_LABELS:
+        points = sorted((r for r in rows if r["method"] == method), key=lambda r: r["gflops"]["language"])
+        if not points or method in ("dense", "dense-control"):
+            continue
+        xs = [r["gflops"]["language"] for r in points] + [dense["gflops"]["language"]]
+        ys = [100 * r["accuracy"] for r in points] + [100 * dense["accuracy"]]
+        if method == "learned+vision":
+            xs, ys = xs[:-1], ys[:-1]
+        ax.plot(xs, ys, marker=markers[method], label=METHOD_LABELS[method], linewidth=2.2 if method == "learned" else 1.2)
+    ax.plot([dense["gflops"]["language"]], [100 * dense["accuracy"]], "k*", markersize=14, label="dense")
+    for control in (r for r in rows if r["method"] == "dense-control"):
+        ax.plot([control["gflops"]["language"]], [100 * control["accuracy"]], "*", color="gray", markersize=12,
+                label=METHOD_LABELS["dense-control"])
+    ax.axhline(100 * dense["accuracy"] - 1, color="gray", linestyle=":", linewidth=1, label="dense - 1 point")
+    ax.set_xlabel("language-model prefill GFLOPs per sample")
+    ax.set_ylabel("accuracy (%)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    write_bytes_atomic(path, buf.getvalue())
+
+
+__all__ = [
+    "METHOD_LABELS", "TokenCounts", "format_frontier", "mod_language_flops", "paired_gap", "plot_frontier", "row",
+    "solve_capacity", "solve_frames", "solve_keep", "verdicts",
+]

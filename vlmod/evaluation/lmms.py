@@ -1,0 +1,331 @@
+"""The lmms-eval model `vlmod`: any lmms-eval task on a vlmod checkpoint, converted or dense.
+
+    lmms-eval --model vlmod --model_args pretrained=DIR[,capacity=0.25,router=random] --tasks ...
+
+Registered through the `lmms_eval.models` entry-point group (`manifest`). The checkpoint loads
+through `vlmod.load_pretrained`, so a converted checkpoint runs with the MoD layers it was saved
+with and a plain one runs dense (the side-by-side); `capacity=` calls `vlmod.set_capacity`,
+`router=` calls `vlmod.set_router`. Requests are batched (`--batch_size N`, left padding); visuals
+are PIL images or video paths (`max_frames` frames sampled uniformly, `vlmod.data.video`).
+
+Compute figures land in the run's results JSON under `throughput` (lmms-eval prefixes every
+figure a model logs with `avg_`): `vlmod_prefill_flops_per_sample` and
+`vlmod_dense_prefill_flops_per_sample` (vision tower + language model, `vlmod.tools.flops`; LLaVA
+families), their ratio, and `vlmod_vision_tokens_ran` (the mean over MoD layers of the fraction of
+image/video tokens the layer ran; 1.0 for a dense model) with one `vlmod_vision_tokens_ran/PART.LAYER`
+per layer. For generation they describe the prefill (the first forward of `generate`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+from lmms_eval.api.model import lmms
+from loguru import logger
+from tqdm.auto import tqdm
+
+import vlmod
+from vlmod.config import TokenType
+from vlmod.plugins import llava as llava_plugin
+from vlmod.tools.cache import generate_cache
+
+MODEL_ID = "vlmod"
+_VISION = (int(TokenType.IMAGE), int(TokenType.VIDEO))
+
+
+def manifest() -> Any:
+    """The `lmms_eval.models` entry point. It must never raise: one failing entry point stops
+    lmms-eval from loading the others."""
+    from lmms_eval.models.registry_v2 import ModelManifest
+
+    return ModelManifest(model_id=MODEL_ID, simple_class_path=f"{__name__}.VLMod")
+
+
+def _passed_through(result: tuple[float, bool]) -> Any:
+    """A loglikelihood result as lmms-eval's evaluator keeps it: 0.7.3 unwraps every response as
+    generated text, which turns a (loss, greedy) tuple into its string; a `GenerationResult` holding
+    the tuple passes through unchanged."""
+    from lmms_eval.api.instance import GenerationResult, unwrap_generation_output
+
+    if isinstance(unwrap_generation_output(result)[0], tuple):
+        return result
+    return GenerationResult(text=result)  # type: ignore[arg-type]
+
+
+def pick_device(device: str | None) -> torch.device:
+    """The device asked for, or CUDA when there is one and CPU otherwise; a CUDA device on a
+    machine without CUDA falls back to CPU with a warning."""
+    if device in (None, "", "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    chosen = torch.device(device)
+    if chosen.type == "cuda" and not torch.cuda.is_available():
+        logger.warning(f"vlmod: device {device!r} asked for but CUDA is not available; running on CPU")
+        return torch.device("cpu")
+    return chosen
+
+
+class VLMod(lmms):
+    """A vlmod checkpoint for lmms-eval; see the module doc."""
+
+    def __init__(
+        self,
+        pretrained: str,
+        capacity: float | None = None,
+        router: str | None = None,
+        device: str | None = None,
+        dtype: str | None = None,
+        batch_size: int | str = 1,
+        max_frames: int = 8,
+        max_new_tokens: int = 256,
+        max_batch_size: int | None = None,  # lmms-eval passes it; batches are --batch_size
+        **unknown: Any,
+    ) -> None:
+        super().__init__()
+        if unknown:
+            raise TypeError(
+                f"vlmod: unknown model_args {sorted(unknown)}; accepted: pretrained, capacity, router, device, "
+                "dtype, batch_size, max_frames, max_new_tokens"
+            )
+        from transformers import AutoProcessor
+
+        from vlmod.io.hf import check_finite, loading_kwargs
+
+        self.device = pick_device(device)
+        try:  # the checkpoint's own dtype unless dtype= names another; onto a GPU directly
+            loading = loading_kwargs(dtype or "auto", self.device)
+        except ValueError as e:
+            raise ValueError(f"vlmod: model_args {e}") from None
+        self.model = vlmod.load_pretrained(pretrained, **loading)
+        check_finite(self.model, pretrained)
+        if capacity is not None:
+            vlmod.set_capacity(self.model, float(capacity))
+        if router is not None:
+            vlmod.set_router(self.model, str(router))
+        self.model.to(self.device).eval()
+        self.processor = AutoProcessor.from_pretrained(pretrained)
+        self.tokenizer = getattr(self.processor, "tokenizer", self.processor)
+        self.tokenizer.padding_side = "left"  # prompts end together: generation and scoring read the last columns
+        self.batch_size = 1 if str(batch_size).startswith("auto") else max(1, int(batch_size))
+        self.max_frames = int(max_frames)
+        self.max_new_tokens = int(max_new_tokens)
+        self.mod = bool(vlmod.mod_layers(self.model))
+        self.llava = llava_plugin.matches(self.model)
+        if not self.llava:  # vlmod.tools.flops reads LLaVA's vision tower (CLIP / SigLIP) and language model
+            logger.warning(f"vlmod: prefill FLOPs are counted for LLaVA models, not {type(self.model).__name__}")
+        self._stats: dict[str, float] = defaultdict(float)
+        self._ran: dict[str, torch.Tensor] = {}  # "part.layer": [vision tokens run, vision tokens]
+        self._logged: dict[str, Any] | None = None
+        logger.info(f"vlmod: {pretrained} on {self.device}, MoD layers {vlmod.mod_layers(self.model) or 'none (dense)'}")
+
+    # -- inputs --------------------------------------------------------------------------------
+
+    def _inputs(self, batch: list[tuple]) -> tuple[list[str], list[Any], list[Any]]:
+        """(prompts, images, videos) of a batch of requests; a request's doc gives PIL images or
+        video paths (`doc_to_visual`)."""
+        from PIL import Image
+
+        prompts, images, videos = [], [], []
+        for args in batch:
+            visuals = args[2](self.task_dict[args[4]][args[5]][args[3]]) if len(args) >= 6 and args[2] else []
+            imgs = [v.convert("RGB") for v in visuals or [] if isinstance(v, Image.Image)]
+            vids = [self._video(v) for v in visuals or [] if isinstance(v, (str, Path))]
+            if len(imgs) + len(vids) != len(visuals or []):
+                raise TypeError(f"vlmod: task {args[4]} gives visuals other than images and video paths")
+            prompts.append(self._prompt(args[0], len(imgs), len(vids)))
+            images += imgs
+            videos += vids
+        return prompts, images, videos
+
+    def _video(self, path: str | Path) -> Any:
+        from vlmod.data.collate import to_frame_count
+        from vlmod.data.video import load_video
+
+        if getattr(self.processor, "video_processor", None) is None:
+            raise ValueError(f"vlmod: {type(self.model).__name__} takes no video ({path}); use a video checkpoint")
+        return to_frame_count(load_video(path, self.max_frames).frames, self.max_frames)
+
+    def _prompt(self, context: str, n_images: int, n_videos: int) -> str:
+        """The user turn through the processor's chat template, ending with the assistant prefix.
+        Media placeholders go first unless the task already wrote them into the context."""
+        image = getattr(self.processor, "image_token", None) or "<image>"
+        video = getattr(self.processor, "video_token", None) or "<video>"
+        placed = image in context or video in context
+        if getattr(self.processor, "chat_template", None) is None:
+            return context if placed else " ".join([image] * n_images + [video] * n_videos + [context])
+        content: Any = context
+        if not placed:
+            content = [{"type": "image"}] * n_images + [{"type": "video"}] * n_videos + [{"type": "text", "text": context}]
+        messages = [{"role": "user", "content": content}]
+        return self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+    def _encode(self, texts: list[str], images: list[Any], videos: list[Any]) -> dict[str, Any]:
+        bos = getattr(self.tokenizer, "bos_token", None)
+        kwargs: dict[str, Any] = {"text": texts, "return_tensors": "pt", "padding": True,
+                                  "add_special_tokens": not (bos and texts[0].startswith(bos))}
+        if images:
+            kwargs["images"] = images
+        if videos:
+            kwargs["videos"] = videos
+        dtype = next(self.model.parameters()).dtype
+        return {
+            k: (v.to(self.device, dtype) if v.is_floating_point() else v.to(self.device)) if torch.is_tensor(v) else v
+            for k, v in self.processor(**kwargs).items()
+        }
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def _run(self, requests: list[Any], key: Any, step: Any, desc: str) -> list[Any]:
+        """`step` over batches of at most `batch_size` requests with equal `key(args)`, longest
+        context first (the largest batch runs first, so an out-of-memory shows at once)."""
+        self._begin()
+        groups: dict[str, list[int]] = defaultdict(list)
+        for i, request in enumerate(requests):
+            groups[key(request.args)].append(i)
+        out: list[Any] = [None] * len(requests)
+        bar = tqdm(total=len(requests), desc=desc, disable=self.rank != 0)
+        for indices in groups.values():
+            indices.sort(key=lambda i: -len(requests[i].args[0]))
+            for start in range(0, len(indices), self.batch_size):
+                chunk = indices[start:start + self.batch_size]
+                for i, result in zip(chunk, step([requests[i].args for i in chunk]), strict=True):
+                    out[i] = result
+                bar.update(len(chunk))
+        bar.close()
+        self._report()
+        return out
+
+    @torch.inference_mode()
+    def generate_until(self, requests: list[Any]) -> list[str]:
+        return self._run(requests, lambda args: json.dumps(args[1], sort_keys=True, default=str), self._generate,
+                         "vlmod generate")
+
+    @torch.inference_mode()
+    def loglikelihood(self, requests: list[Any]) -> list[tuple[float, bool]]:
+        return self._run(requests, lambda args: "", self._score, "vlmod loglikelihood")
+
+    def _generate(self, batch: list[tuple]) -> list[str]:
+        gen = dict(batch[0][1] or {})
+        until = gen.get("until") or []
+        until = [until] if isinstance(until, str) else list(until)
+        temperature = float(gen.get("temperature") or 0.0)
+        kwargs: dict[str, Any] = {
+            "max_new_tokens": int(gen.get("max_new_tokens") or self.max_new_tokens),
+            "num_beams": int(gen.get("num_beams") or 1),
+            "do_sample": temperature > 0,
+            "pad_token_id": self.tokenizer.pad_token_id,
+        }
+        if temperature > 0:
+            kwargs.update(temperature=temperature, top_p=gen.get("top_p"))
+        inputs = self._encode(*self._inputs(batch))
+        kwargs.update(generate_cache(self.model, kwargs["max_new_tokens"]))
+        with self._trace() as trace:
+            began = time.perf_counter()
+            ids = self.model.generate(**inputs, **kwargs)
+            seconds = time.perf_counter() - began
+        new = ids[:, inputs["input_ids"].shape[1]:]
+        real = int((new != self.tokenizer.pad_token_id).sum()) if self.tokenizer.pad_token_id is not None else new.numel()
+        self._account(inputs, trace.first_step() if trace is not None else None, seconds, real)
+        texts = self.tokenizer.batch_decode(new, skip_special_tokens=True)
+        for stop in until:
+            texts = [t.split(stop)[0] if stop else t for t in texts]
+        return texts
+
+    def _continuation(self, args: tuple) -> str:
+        target = args[1]
+        if isinstance(target, str):
+            return target
+        return str(target(self.task_dict[args[4]][args[5]][args[3]]))
+
+    def _score(self, batch: list[tuple]) -> list[tuple[float, bool]]:
+        """(mean NLL of the continuation's tokens given context and visuals, whether greedy decoding
+        gives it) per request. lmms-eval's convention: its models return the loss, and its
+        multiple-choice scoring picks the choice with the smallest (argmin)."""
+        prompts, images, videos = self._inputs(batch)
+        fulls = [p + self._continuation(a) for p, a in zip(prompts, batch, strict=True)]
+        lengths = [len(self.tokenizer(f, add_special_tokens=False)["input_ids"])
+                   - len(self.tokenizer(p, add_special_tokens=False)["input_ids"]) for f, p in zip(fulls, prompts, strict=True)]
+        inputs = self._encode(fulls, images, videos)
+        with self._trace() as trace:
+            began = time.perf_counter()
+            logits = self.model(**inputs, logits_to_keep=max(lengths) + 1).logits
+            seconds = time.perf_counter() - began
+        self._account(inputs, trace, seconds, 0)
+        ids = inputs["input_ids"]
+        scored = []
+        for row, n in enumerate(lengths):
+            logp = logits[row, -n - 1:-1].float().log_softmax(-1)
+            target = ids[row, -n:] if n > 0 else ids[row, :0]
+            loss = -logp.gather(-1, target[:, None]).mean() if n > 0 else torch.zeros(())
+            scored.append(_passed_through((float(loss), bool((logp.argmax(-1) == target).all()))))
+        return scored
+
+    def generate_until_multi_round(self, requests: list[Any]) -> list[str]:
+        raise NotImplementedError("vlmod: multi-round generation is not supported")
+
+    # -- compute figures -----------------------------------------------------------------------
+
+    def _trace(self) -> Any:
+        return vlmod.trace_routing(self.model) if self.mod else nullcontext()
+
+    def _account(self, inputs: dict[str, Any], trace: Any, seconds: float, new_tokens: int) -> None:
+        """Add one batch to the run's figures (routing counts stay on the device until read)."""
+        from vlmod.tools.flops import generation_flops
+
+        s, rows = self._stats, inputs["input_ids"].shape[0]
+        s["samples"] += rows
+        s["seconds"] += seconds
+        s["new_tokens"] += new_tokens
+        for (part, layer), processed in (trace.processed.items() if trace is not None else ()):
+            vision = torch.isin(trace.part_token_types(part), torch.tensor(_VISION, device=processed.device))
+            counts = torch.stack([(processed & vision).sum(), vision.sum()])
+            key = f"{part}.{layer}"
+            self._ran[key] = self._ran[key] + counts if key in self._ran else counts
+        if not self.llava:
+            return
+        mod, dense = generation_flops(self.model, inputs, trace), generation_flops(self.model, inputs, None)
+        for part in ("total", "vision", "language"):
+            s[f"flops/{part}"] += mod[part] * rows
+            s[f"dense_flops/{part}"] += dense[part] * rows
+
+    def summary(self) -> dict[str, float]:
+        """The run's compute figures so far (names as in the module doc, without `avg_`)."""
+        s, n = self._stats, max(1.0, self._stats["samples"])
+        out = {"vlmod_samples": s["samples"], "vlmod_mod_layers": float(len(vlmod.mod_layers(self.model)))}
+        fractions = {key: (c[0] / c[1]).item() for key, c in sorted(self._ran.items()) if c[1] > 0}
+        out["vlmod_vision_tokens_ran"] = sum(fractions.values()) / len(fractions) if fractions else 1.0
+        out.update({f"vlmod_vision_tokens_ran/{key}": v for key, v in fractions.items()})
+        if s["flops/total"] > 0:
+            out["vlmod_prefill_flops_per_sample"] = s["flops/total"] / n
+            out["vlmod_dense_prefill_flops_per_sample"] = s["dense_flops/total"] / n
+            out["vlmod_prefill_flops_vs_dense"] = s["flops/total"] / s["dense_flops/total"]
+            for part in ("vision", "language"):
+                out[f"vlmod_prefill_flops_per_sample/{part}"] = s[f"flops/{part}"] / n
+                out[f"vlmod_dense_prefill_flops_per_sample/{part}"] = s[f"dense_flops/{part}"] / n
+        return out
+
+    def _begin(self) -> None:
+        """A cleared throughput log means a new evaluation: its figures start from zero."""
+        from lmms_eval.models.model_utils.gen_metrics import get_logged_metrics_history
+
+        if self._logged is None or not any(m is self._logged for m in get_logged_metrics_history()):
+            self._stats, self._ran, self._logged = defaultdict(float), {}, None
+
+    def _report(self) -> None:
+        """Put the figures into lmms-eval's throughput log, which its results JSON carries. The run
+        keeps one entry, updated in place after every call, so the figures are over all of its
+        requests (lmms-eval averages entries, which would weight calls, not samples)."""
+        from lmms_eval.models.model_utils.gen_metrics import get_logged_metrics_history, log_metrics
+
+        seconds, tokens, figures = self._stats["seconds"], int(self._stats["new_tokens"]), self.summary()
+        speed = tokens / seconds if seconds > 0 else 0.0
+        if self._logged is None:
+            log_metrics(seconds, tokens, speed, additional_metrics=figures)
+            self._logged = get_logged_metrics_history()[-1]
+        self._logged.update(total_elapsed_time=seconds, total_gen_tokens=tokens, avg_speed=speed, **figures)
+        logger.info("vlmod: " + ", ".join(f"{k} {v:.4g}" for k, v in figures.items()))

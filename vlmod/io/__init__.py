@@ -1,0 +1,1 @@
+"""Files in and out: loading checkpoints (dtype, device map), atomic writes, aligned safetensors, paths."""

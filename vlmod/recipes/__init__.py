@@ -1,0 +1,1 @@
+"""End-to-end runs anyone can repeat: the synthetic recipes and the real-size check."""

@@ -1,0 +1,455 @@
+"""The synthetic recipes: vlmod's offline, end-to-end quality check on a CPU, for images and video.
+
+`--task image`: a tiny LLaVA on the synthetic shapes set; `--task video`: a tiny
+LLaVA-NeXT-Video on synthetic clips through the real video path (the processor's video inputs,
+`pixel_values_videos`, video tokens routable), 8 frames a clip, with questions most of which
+need several frames (`vlmod.data.synthetic_video`).
+
+1. generate the data; 2. train the model dense from scratch (tower included; `tower_steps`: the
+tower first learns what each image patch shows, `vlmod.training.tower_pretrain`; video: first a LLaVA of
+the same sizes on image questions, whose weights the video model starts from; `refine_steps`: a
+second dense stage, the tower frozen, distilling the first dense model); 3. rank its
+language layers (ARank, reported; the converted layers are every layer but layer 0 unless
+`mod_layers="arank:N"`); 4. solve the compute points: for each target reduction of language-model
+prefill FLOPs, the MoD capacity, the kept fraction of a pre-LLM reduction and (video) the
+number of frames that reach it (`vlmod.evaluation.frontier`); 5. convert; 6. fine-tune one MoD model with
+its capacity drawn per step from the compute points' capacities (one model, every point),
+distilling the dense model's answer distribution (`vlmod.training.distill`);
+7. evaluate dense, the fine-tuned MoD model at every point, and at the same points: the random
+and stride routers on its weights, the training-free attention router on the dense weights,
+pre-LLM reduction and frame subsampling of the dense model, and at the main point the MoD model
+with the vision tower routed too (`dense_control`: also the dense model fine-tuned again exactly
+as the MoD stage, unconverted: what the MoD model's extra training alone gives); 8. write
+results.json, results.md and frontier.png.
+
+Every stage is a public vlmod function (`vlmod tiny`, `finetune`, `rank`, `convert`, `eval`,
+`vlmod.tools.reduction`), so the recipe is also a worked example of the workflow.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoProcessor
+
+from vlmod.api import apply_mod, set_capacity, set_router
+from vlmod.bench.timing import keeps_threads
+from vlmod.config import MoDConfig
+from vlmod.data.synthetic import generate
+from vlmod.errors import InputError
+from vlmod.evaluation import frontier
+from vlmod.evaluation.evaluate import evaluate
+from vlmod.io.files import save_pretrained_atomic, write_json, write_text
+from vlmod.io.hf import load_pretrained
+from vlmod.models import tiny
+from vlmod.recipes.reuse import (
+    CONTROL_STAGES,
+    DENSE_RUN,
+    REFINED_RUN,
+    reusable_dense,
+    reusable_finetune,
+    reusable_refined,
+)
+from vlmod.recipes.settings import TASKS, VIDEO_POOLS, RecipeResult, RecipeSettings
+from vlmod.tools.calibrate import rank_checkpoint
+from vlmod.tools.convert import ConvertOptions, convert
+from vlmod.tools.flops import DecoderDims, attention_router_flops
+from vlmod.tools.reduction import SCORINGS, PreLLMReduction, reduction_flops
+from vlmod.training.tower_pretrain import pretrain_tower
+from vlmod.training.train import TrainConfig, train
+
+
+class _Stages:
+    """Times each stage and prints it as it ends."""
+
+    def __init__(self, result: RecipeResult, log: Callable[[str], None]) -> None:
+        self.result, self.log = result, log
+
+    def run(self, name: str, fn: Callable[[], Any]) -> Any:
+        self.log(f"== {name}")
+        start = time.perf_counter()
+        value = fn()
+        self.result.stages[name] = self.result.stages.get(name, 0.0) + time.perf_counter() - start
+        self.log(f"   {name}: {time.perf_counter() - start:.0f} s")
+        return value
+
+
+def token_counts(processor: Any, data: Path, s: RecipeSettings, limit: int = 64) -> Any:
+    """Mean text and vision tokens of the eval prompts (the first `limit`)."""
+    from vlmod.data import LlavaDataset, load_records
+    from vlmod.evaluation.frontier import TokenCounts
+
+    records = load_records(data)[:limit]
+    ds = LlavaDataset(records, processor, data.parent, num_frames=s.frames)
+    tok = processor.tokenizer
+    media = tok.convert_tokens_to_ids("<video>" if s.task == "video" else "<image>")
+    text = vision = 0.0
+    for i in range(len(ds.records)):
+        inputs = ds.prompt_inputs(i).inputs
+        n_vision = int((inputs["input_ids"] == media).sum())
+        vision += n_vision
+        text += int(inputs["attention_mask"].sum()) - n_vision
+    n = len(ds.records)
+    return TokenCounts(text=text / n, vision=vision / n, frames=s.frames if s.task == "video" else 1)
+
+
+@keeps_threads  # --threads applies to the recipe, not to what runs after it in the process
+def run_recipe(out: str | Path, settings: RecipeSettings | None = None, progress: bool = True,
+               log: Callable[[str], None] = print, reuse_dense: bool = False,
+               reuse_trained: bool = False) -> RecipeResult:
+    """Run every stage into `out` (see the module doc) and write results.json / results.md /
+    frontier.png. reuse_dense: keep the dense model of an earlier run in `out` trained with the
+    same settings (its training time is taken from that run's record); reuse_trained: keep its
+    MoD fine-tune and control too (the same settings), so only the evaluations run again."""
+    if reuse_trained and not reuse_dense:
+        raise InputError("--reuse-trained goes with --reuse-dense (the fine-tunes start from that dense model)")
+    recipe = _Recipe(Path(out).expanduser(), settings or RecipeSettings(), progress, log, reuse_trained)
+    if reuse_dense:
+        recipe.reuse_dense()
+    else:
+        recipe.train_dense()
+    recipe.evaluate_dense()
+    recipe.result.layers = recipe.stages.run("rank", recipe.rank)
+    recipe.solve_points()
+    recipe.convert_and_finetune()
+    recipe.evaluate_points()
+    recipe.evaluate_vision_mod()
+    return recipe.write_results()
+
+
+class _Recipe:
+    """The stages of one recipe run, in the order `run_recipe` calls them; each records what later
+    stages read (the dense model, the compute points, the fine-tuned models) on `self`."""
+
+    def __init__(self, out: Path, s: RecipeSettings, progress: bool, log: Callable[[str], None],
+                 reuse_trained: bool) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        if s.threads:
+            torch.set_num_threads(s.threads)
+        torch.manual_seed(s.seed)
+        self.out, self.s, self.progress, self.log, self.reuse_trained = out, s, progress, log, reuse_trained
+        self.result = RecipeResult(settings=s)
+        self.stages = _Stages(self.result, log)
+        self.data = out / "data"
+        self.video = s.task == "video"
+        self.train_json = self.data / ("video_train.json" if self.video else "train.json")
+        self.val_json = self.data / ("video_val.json" if self.video else "val.json")
+        self.first_dense = out / DENSE_RUN / "model"
+        # What every later stage starts from.
+        self.dense = out / REFINED_RUN / "model" if s.refine_steps else self.first_dense
+        self.trained: dict[str, float] = {}  # --reuse-trained: the earlier run's training seconds per run
+
+    # -- the dense model -----------------------------------------------------------------------
+
+    def make_data(self) -> None:
+        s = self.s
+        if self.video:  # the images feed the image stage only
+            generate(self.data, 0 if s.image_model else s.num_train_images, 0, image_size=s.image_size,
+                     distractors=s.distractors, seed=s.seed, captions=s.captions, video=True, num_videos=s.num_train,
+                     num_val_videos=s.num_val, num_frames=s.frames, progress=self.progress)
+        else:
+            generate(self.data, s.num_train, s.num_val, image_size=s.image_size, distractors=s.distractors, seed=s.seed,
+                     captions=s.captions, progress=self.progress)
+
+    def build(self, family: str) -> tuple[Any, Any]:
+        s = self.s
+        return tiny.build(
+            family, width=s.width, layers=s.layers, heads=s.heads, kv_heads=s.kv_heads, vision_width=s.vision_width,
+            vision_layers=s.vision_layers, image_size=s.image_size, patch_size=s.patch_size,
+            vision_feature_layer=-1, spatial_pool_mode=s.video_pool, seed=s.seed,
+        )
+
+    def init(self) -> None:
+        image_stage = self.s.image_steps and not self.s.image_model
+        for family, folder in [(self.s.family, "init")] + ([("llava", "image-init")] if image_stage else []):
+            save_pretrained_atomic(*self.build(family), self.out / folder)
+
+    def finetune(self, model: Path, run: str, data_json: Path | None = None, batch_size: int | None = None,
+                 **kw: Any) -> Path:
+        s = self.s
+        cfg = TrainConfig(
+            model=str(model), data=str(data_json or self.train_json), output_dir=str(self.out / run),
+            batch_size=batch_size or s.batch_size, cache_data=True, seed=s.seed, log_steps=25, warmup=0.05,
+            num_frames=s.frames, overwrite=True, **kw,
+        )
+        if self.reuse_trained and run in ("mod", "dense-control"):
+            model_dir, self.trained[run] = reusable_finetune(self.out, cfg)
+            return model_dir
+        return train(cfg, progress=self.progress).model_dir
+
+    def pretrain(self, first: Path) -> Path:
+        """The tower learns what each patch of the training images shows before any language
+        training, as LLaVA's starts from a pretrained CLIP (`vlmod.training.tower_pretrain`)."""
+        pretrain_tower(first, self.data / "train.json", self.out / "tower", steps=self.s.tower_steps, seed=self.s.seed,
+                       progress=self.progress)
+        return self.out / "tower" / "model"
+
+    def train_on_images(self, first: Path) -> Path:
+        """The image stage: a LLaVA of the same sizes learns to see on the image questions, then
+        the video model starts from its weights (as LLaVA-NeXT-Video starts from LLaVA-NeXT):
+        from scratch, the video model never learned colour, shape or position (39.8% after 3000 steps)."""
+        s = self.s
+        if s.image_model:  # an image LLaVA of the same sizes trained elsewhere (the image recipe's dense model)
+            images = Path(s.image_model).expanduser()
+        else:
+            images = self.finetune(first, "image", self.data / "train.json", s.image_batch_size, trainable="full",
+                                   train_vision_tower=True, lr=s.dense_lr, max_steps=s.image_steps,
+                                   weight_decay=s.weight_decay)
+        model = load_pretrained(self.out / "init")
+        tiny.copy_weights(load_pretrained(images), model)
+        save_pretrained_atomic(model, AutoProcessor.from_pretrained(self.out / "init"), self.out / "init-images")
+        return self.out / "init-images"
+
+    def refine(self) -> None:
+        """The second dense stage: the tower frozen, the language model and projector go on at the
+        dense learning rate from a fresh warm-up, distilling the first dense model's answers (a
+        born-again student). Seed 0's first model answered "when" 70.6%, refined 87.8%."""
+        self.finetune(self.first_dense, REFINED_RUN, trainable="language", lr=self.s.dense_lr,
+                      max_steps=self.s.refine_steps, distill_from=str(self.first_dense))
+
+    def record(self, run: str) -> None:
+        write_json(self.out / run / "recipe.json", {"settings": self.s.to_dict(), "stage_seconds": dict(self.result.stages)})
+
+    def refine_and_record(self) -> None:
+        self.stages.run("refine dense", self.refine)
+        self.record(REFINED_RUN)  # after the stage, so its record holds the refinement's own time
+
+    def train_dense(self) -> None:
+        """Data, a fresh tiny model, (tower pretraining, the image stage,) the dense training and
+        its refinement."""
+        s, stages = self.s, self.stages
+        stages.run("data", self.make_data)
+        stages.run("init", self.init)
+        first = self.out / ("image-init" if self.video and s.image_steps else "init")
+        if s.tower_steps and not s.image_model:
+            first = stages.run("pretrain tower", lambda: self.pretrain(first))
+        start = stages.run("train on images", lambda: self.train_on_images(first)) if s.image_steps or s.image_model else first
+        stages.run("train dense", lambda: self.finetune(
+            start, DENSE_RUN, trainable="full", train_vision_tower=True, lr=s.dense_lr, max_steps=s.dense_steps,
+            weight_decay=s.weight_decay,
+        ))
+        self.record(DENSE_RUN)
+        if s.refine_steps:
+            self.refine_and_record()
+
+    def reuse_dense(self) -> None:
+        """--reuse-dense: the dense (and refined) model of an earlier run with the same settings."""
+        s, result = self.s, self.result
+        result.stages.update(reusable_dense(self.out, s))
+        self.log(f"== reusing the dense model in {self.first_dense} (trained in {result.stages['train dense']:.0f} s)")
+        if not self.val_json.is_file() or len(json.loads(self.val_json.read_text())) != s.num_val:
+            self.stages.run("data", self.make_data)  # another validation size; the same seed writes the same training set
+        if not s.refine_steps:
+            return
+        refined = reusable_refined(self.out, s)
+        if refined is None and self.reuse_trained:
+            raise InputError(f"--reuse-trained: the refined dense model in {self.out} is missing or was refined with "
+                             "other settings, so the fine-tunes from it must train again: drop --reuse-trained")
+        if refined is None:
+            self.refine_and_record()
+        else:
+            result.stages["refine dense"] = refined["refine dense"]
+            self.log(f"== reusing the refined dense model in {self.dense} (refined in {refined['refine dense']:.0f} s)")
+
+    # -- evaluation helpers and the dense row --------------------------------------------------
+
+    def evaluated(self, model: Any, name: str, baseline: bool = False, **kw: Any) -> Any:
+        """`baseline`: one of the other methods, on the first `baseline_samples` questions."""
+        s = self.s
+        report = evaluate(model, self.processor, self.val_json, batch_size=s.eval_batch_size, max_new_tokens=4,
+                          progress=self.progress, name=name, num_frames=kw.pop("num_frames", s.frames),
+                          limit=s.baseline_samples if baseline else None, **kw)
+        self.log(f"   {name}: accuracy {100 * report.accuracy:.1f}%, answer loss {report.answer_loss:.3f}, "
+                 f"LM GFLOPs {report.flops_by_part['language'] / 1e9:.4f}")
+        return report
+
+    def evaluate_dense(self) -> None:
+        s = self.s
+        self.processor = AutoProcessor.from_pretrained(self.dense)
+        self.dims = DecoderDims.from_config(load_pretrained(self.dense).config.text_config)
+        self.dense_model = load_pretrained(self.dense).eval()
+        report = self.stages.run("eval dense", lambda: self.evaluated(self.dense_model, "dense"))
+        refined = f"refined +{s.refine_steps} steps" if s.refine_steps else "-"
+        self.result.rows.append(frontier.row("dense", None, refined, report))
+        # Frame subsampling's FLOPs reference: the dense model on every frame of the questions it answers.
+        self.frames_reference = report
+        if self.video and s.baseline_samples and s.baseline_samples < len(report.samples):
+            self.frames_reference = self.stages.run("eval dense", lambda: self.evaluated(
+                self.dense_model, "dense, the first questions", baseline=True))
+
+    # -- MoD: layers, compute points, conversion, fine-tune ------------------------------------
+
+    def rank(self) -> list[int]:
+        s = self.s
+        ranks = rank_checkpoint(str(self.dense), self.train_json, num_samples=s.rank_samples, batch_size=8,
+                                progress=self.progress)
+        self.result.ranks = list(ranks.normalized)
+        if s.mod_layers.startswith("arank:"):
+            chosen = sorted(ranks.select(int(s.mod_layers.split(":", 1)[1])))
+        else:
+            chosen = list(range(1, s.layers))
+        ranks.suggested = chosen
+        write_json(self.out / "ranks.json", ranks.to_dict())
+        self.log(f"   ARank normalised ranks {[round(r, 3) for r in ranks.normalized]}; converted layers {chosen}")
+        return chosen
+
+    def solve_points(self) -> None:
+        """For each target reduction: the MoD capacity, the attention router's capacity (its scoring
+        costs FLOPs too), the pre-LLM reduction's kept fraction and (video) the frames."""
+        s, dims, layers = self.s, self.dims, self.result.layers
+        counts = token_counts(self.processor, self.val_json, s)
+        self.scoring = attention_router_flops(dims, counts.total, counts.text)  # per MoD layer
+        for t in s.targets:
+            point = {
+                "target": t,
+                "capacity": frontier.solve_capacity(dims, counts, t, layers, s.schedule),
+                "attention_capacity": frontier.solve_capacity(dims, counts, t, layers, s.schedule, self.scoring),
+                "keep": frontier.solve_keep(dims, counts, t),
+            }
+            if self.video:
+                point["frames"] = frontier.solve_frames(dims, counts, t)
+            self.result.points.append(point)
+        self.main = min(self.result.points, key=lambda p: abs(p["target"] - s.goal))
+        self.log(f"   tokens per sample: text {counts.text:.1f}, vision {counts.vision:.1f}; "
+                 f"compute points {self.result.points}")
+
+    def convert_and_finetune(self) -> None:
+        """Convert at the main point, fine-tune one MoD model over every point's capacity, and
+        (dense_control) the same training on the unconverted dense model."""
+        s, stages, result = self.s, self.stages, self.result
+        self.converted = self.out / "converted"
+        stages.run("convert", lambda: convert(ConvertOptions(
+            model=str(self.dense), out=str(self.converted), capacity=self.main["capacity"], layers=result.layers,
+            routable=["video"] if self.video else ["image"], capacity_schedule=s.schedule, overwrite=True,
+        )))
+        # The MoD stage's training; the control repeats it on the unconverted dense model.
+        mod_stage = {"trainable": "language", "lr": s.mod_lr, "max_steps": s.mod_steps,
+                     "distill_from": str(self.dense) if s.distill else None}
+        self.mod = stages.run("train MoD", lambda: self.finetune(
+            self.converted, "mod", router_lr=s.router_lr, capacities=[p["capacity"] for p in result.points],
+            capacity_warmup=s.capacity_warmup, **mod_stage,
+        ))
+        if s.dense_control:
+            control = stages.run(CONTROL_STAGES[0], lambda: self.finetune(self.dense, "dense-control", **mod_stage))
+        for run, stage in (("mod", "train MoD"), ("dense-control", CONTROL_STAGES[0])):
+            if run in self.trained:
+                result.stages[stage] = self.trained[run]
+                self.log(f"   {stage}: reused the earlier run's model (trained in {self.trained[run]:.0f} s)")
+        if s.dense_control:
+            report = stages.run(CONTROL_STAGES[1], lambda: self.evaluated(load_pretrained(control).eval(), "dense control"))
+            result.rows.append(frontier.row("dense-control", None, f"+{s.mod_steps} steps as the MoD stage", report))
+
+    # -- every method at every compute point ---------------------------------------------------
+
+    def evaluate_points(self) -> None:
+        s, stages, result = self.s, self.stages, self.result
+        self.mod_model = mod_model = load_pretrained(self.mod).eval()
+        attention_model = load_pretrained(self.converted).eval()
+        set_router(attention_model, "attention")
+        for p in result.points:
+            t, cap = p["target"], p["capacity"]
+            set_capacity(mod_model, cap)
+            setting = f"capacity {cap:.3f}"
+            with_router = [("learned", None)] + [(r, r) for r in s.routers if r != "attention"]
+            for method, router in with_router:
+                def run_mod(router: str | None = router, name: str = f"{method} /{t:g}") -> Any:
+                    if router is None:
+                        return self.evaluated(mod_model, name)
+                    set_router(mod_model, router)
+                    try:
+                        return self.evaluated(mod_model, name, baseline=True)
+                    finally:
+                        set_router(mod_model, "learned")
+                result.rows.append(frontier.row(method, t, setting, stages.run(f"eval {method}", run_mod)))
+            if "attention" in s.routers:
+                # Its scoring costs FLOPs too: a lower capacity reaches the same total.
+                set_capacity(attention_model, p["attention_capacity"])
+                report = stages.run("eval attention", lambda n=f"attention /{t:g}": self.evaluated(
+                    attention_model, n, baseline=True))
+                result.rows.append(frontier.row("attention", t, f"capacity {p['attention_capacity']:.3f}", report,
+                                                len(result.layers) * self.scoring))
+            self.evaluate_reduction(p)
+            if self.video:
+                self.evaluate_frames(p)
+
+    def evaluate_reduction(self, p: dict[str, Any]) -> None:
+        """Pre-LLM reduction with both of VisionZip's rankings: these towers are trained from scratch
+        under LLaVA, which reads only the patches, so nothing trains their CLS; which ranking is the
+        stronger varies by model."""
+        t = p["target"]
+        for rank_by, method in zip(SCORINGS, ("reduce", "reduce-mean"), strict=True):
+            reducer = PreLLMReduction(self.dense_model, p["keep"], rank_by)
+            report = self.stages.run("eval reduce", lambda r=reducer, n=f"{method} /{t:g}": self.evaluated(
+                r, n, baseline=True, flops_fn=reduction_flops))
+            report.processed_fraction = {"kept": p["keep"]}
+            self.result.rows.append(frontier.row(method, t, f"keep {p['keep']:.3f}", report))
+
+    def evaluate_frames(self, p: dict[str, Any]) -> None:
+        """Frame subsampling of the dense model, against the dense model on every frame."""
+        f, t = p["frames"], p["target"]
+        report = self.stages.run("eval frames", lambda: self.evaluated(
+            self.dense_model, f"frames {f}", baseline=True, num_frames=f))
+        report.processed_fraction = {"frames": f / self.s.frames}
+        # Against the dense model on every frame, not the report's own dense count on fewer.
+        self.result.rows.append(frontier.row("frames", t, f"{f} of {self.s.frames} frames", report,
+                                             dense_language=self.frames_reference.flops_by_part["language"]))
+
+    def evaluate_vision_mod(self) -> None:
+        """The main point again with the vision tower routed too (training-free, CLS attention)."""
+        s, main = self.s, self.main
+        set_capacity(self.mod_model, main["capacity"])
+        tower = MoDConfig(capacity=s.vision_capacity, layers=[s.vision_layers - 1], routable=("image",), router="attention")
+        apply_mod(self.mod_model, tower, part="vision")
+        report = self.stages.run("eval vision MoD", lambda: self.evaluated(
+            self.mod_model, "learned + vision tower", baseline=True))
+        report.processed_fraction = {k: v for k, v in report.processed_fraction.items() if k.startswith("language")}
+        self.result.rows.append(frontier.row("learned+vision", main["target"],
+                                             f"capacity {main['capacity']:.3f}, tower {s.vision_capacity:g}", report))
+
+    def write_results(self) -> RecipeResult:
+        write_json(self.out / "results.json", self.result.to_dict())
+        table = format_results(self.result)
+        write_text(self.out / "results.md", table + "\n")
+        frontier.plot_frontier(self.result.rows, self.out / "frontier.png",
+                               f"synthetic {self.s.task} recipe: accuracy against compute")
+        self.log(table)
+        return self.result
+
+
+def format_results(result: RecipeResult) -> str:
+    """results.md: the frontier table, the verdicts and the stage times."""
+    from vlmod.data.synthetic_video import TEMPORAL_TYPES
+    from vlmod.evaluation.frontier import format_frontier, verdicts
+
+    s = result.settings
+    temporal = TEMPORAL_TYPES if s.task == "video" else ()
+    lines = [format_frontier(result.rows, temporal), ""]
+    if temporal:
+        lines += ["(* needs several frames)", ""]
+    lines.append(f"- converted language layers {result.layers} of {s.layers}; ARank normalised ranks "
+                 f"{[round(r, 3) for r in result.ranks]}")
+    dense = result.row("dense")
+    if s.baseline_samples and s.baseline_samples < dense["samples"]:
+        lines.append(f"- questions: dense, the control and MoD answered all {dense['samples']} validation "
+                     f"questions, the other methods the first {s.baseline_samples} (each compared with MoD on those)")
+    lines += [f"- {v}" for v in verdicts(result.rows, s.goal)]
+    aim = "aim >= 90%" + (", >= 85% on each type that needs several frames" if temporal else "")
+    lines.append(f"- dense accuracy {100 * dense['accuracy']:.1f}% ({aim}), by type "
+                 + ", ".join(f"{t} {100 * a:.1f}%" for t, a in sorted(dense["accuracy_by_type"].items())))
+    total = sum(result.stages.values())
+    control = sum(result.stages.get(k, 0.0) for k in CONTROL_STAGES)
+    lines.append(f"- whole recipe: {total / 60:.1f} min"
+                 + (f" ({(total - control) / 60:.1f} min without the control)" if control else "") + " ("
+                 + ", ".join(f"{k} {v:.0f} s" for k, v in result.stages.items()) + ")")
+    return "\n".join(lines)
+
+
+__all__ = ["TASKS", "RecipeResult", "RecipeSettings", "format_results", "run_recipe", "token_counts"]
+
+
+__all__ = ["TASKS", "VIDEO_POOLS", "RecipeResult", "RecipeSettings", "format_results", "run_recipe", "token_counts"]

@@ -1,0 +1,304 @@
+"""`vlmod scale-check`: every stage a user runs, on a checkpoint of the real 7B shapes, each in a
+process of its own so that its wall time and peak memory are its own.
+
+The stages are the commands as a user types them (`vlmod convert`, `vlmod rank`, ...), started
+with this Python; a stage's peak RSS is the kernel's record for that process (`wait4`), so the
+numbers include everything the command holds, imports and processor included. The checkpoint
+is built by `vlmod.models.scale` (random weights in bfloat16, no download). Outputs that later stages do
+not read are deleted as soon as their stage has been measured, so the disk holds the checkpoint,
+its converted copy and one fine-tuned model at most (about 3 x 14 GB for a 7B).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from vlmod.errors import InputError
+from vlmod.io.files import write_json, write_text
+
+STAGES = ("build", "convert", "load", "rank", "eval", "lmms", "demo", "finetune-router", "finetune-lora",
+          "finetune-full", "bench")
+# Stages that must refuse, in one line, before they start: a full fine-tune of a 7B (16 bytes a
+# trained parameter) fits no 24 GiB machine.
+REFUSALS = ("finetune-full",)
+GIB = 1024**3
+
+
+@dataclass
+class StageResult:
+    stage: str
+    command: str
+    seconds: float
+    peak_rss: int
+    checkpoint_bytes: int
+    returncode: int
+    baseline_rss: int = 0
+    note: str = ""
+
+    @property
+    def ratio(self) -> float:
+        """Peak RSS over the checkpoint's bytes."""
+        return self.peak_rss / self.checkpoint_bytes if self.checkpoint_bytes else float("nan")
+
+    @property
+    def ratio_above_baseline(self) -> float:
+        """What the stage held beyond a process that only imported the libraries, over the bytes."""
+        return (self.peak_rss - self.baseline_rss) / self.checkpoint_bytes if self.checkpoint_bytes else float("nan")
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in Path(folder).glob("*.safetensors"))
+
+
+def _vlmod(*args: str) -> list[str]:
+    return [sys.executable, "-m", "vlmod", *args]
+
+
+# Linux counts a child's peak RSS from the memory its parent had when it forked, so a stage is
+# started by this small launcher (a bare Python of a few MB), which reports the stage's own peak.
+_LAUNCHER = """
+import json, os, signal, sys
+out, argv = sys.argv[1], sys.argv[2:]
+pid = os.fork()
+if pid == 0:
+    try:
+        os.execvp(argv[0], argv)
+    finally:
+        os._exit(127)
+signal.signal(signal.SIGTERM, lambda *_: os.kill(pid, signal.SIGTERM))
+_, status, usage = os.wait4(pid, 0)
+scale = 1 if sys.platform == "darwin" else 1024
+with open(out, "w") as f:
+    json.dump({"peak_rss": usage.ru_maxrss * scale, "returncode": os.waitstatus_to_exitcode(status)}, f)
+"""
+
+
+def run_measured(argv: list[str], log: Path, env: dict[str, str] | None = None,
+                 while_running: Callable[[subprocess.Popen], str] | None = None) -> tuple[float, int, int, str]:
+    """Run `argv` to its end (or, with `while_running`, until that returns and stops it): wall
+    seconds, its peak RSS in bytes, its return code, and the note `while_running` returned."""
+    report = log.with_suffix(".peak.json")
+    report.unlink(missing_ok=True)
+    start = time.perf_counter()
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-S", "-c", _LAUNCHER, str(report), *argv], stdout=out,
+                                stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL)
+        note = ""
+        try:
+            if while_running is not None:
+                note = while_running(proc)
+                proc.terminate()
+        except BaseException:
+            proc.terminate()
+            raise
+        finally:
+            proc.wait()
+    seconds = time.perf_counter() - start
+    measured = json.loads(report.read_text())
+    report.unlink()
+    return seconds, measured["peak_rss"], measured["returncode"], note
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _demo_request(port: int, image: Path, timeout: float = 3600.0) -> Callable[[subprocess.Popen], str]:
+    """Wait for the demo's health check, send one image with a question, return what it took."""
+
+    def run(proc: subprocess.Popen) -> str:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the demo exited ({proc.returncode}) before it served")
+            try:
+                with urllib.request.urlopen(f"{base}/api/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("the demo did not start in time")
+            time.sleep(2)
+        started = time.perf_counter()
+        boundary = "vlmodscalecheck"
+        body = (
+            f'--{boundary}\r\nContent-Disposition: form-data; name="prompt"\r\n\r\nwhat color is the shape ?\r\n'
+            f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="{image.name}"\r\n'
+            "Content-Type: image/png\r\n\r\n"
+        ).encode() + image.read_bytes() + f"\r\n--{boundary}--\r\n".encode()
+        request = urllib.request.Request(f"{base}/api/analyze", data=body, method="POST",
+                                         headers={"Content-Type": f"multipart/form-data; boundary={boundary}"})
+        with urllib.request.urlopen(request, timeout=timeout) as r:
+            answer = json.loads(r.read())
+        if "error" in answer:
+            raise RuntimeError(f"the demo refused the request: {answer['error']}")
+        return f"one request {time.perf_counter() - started:.0f} s"
+
+    return run
+
+
+def _lmms_task(root: Path, data: Path) -> Path:
+    """A local lmms-eval task over the synthetic validation set (short answers, exact match)."""
+    tasks = root / "lmms_tasks"
+    tasks.mkdir(exist_ok=True)
+    records = json.loads(data.read_text())
+    docs = []
+    for r in records:
+        turns = r["conversations"]
+        docs.append({"image": str((data.parent / r["image"]).resolve()),
+                     "question": turns[0]["value"].replace("<image>", "").strip(), "answer": turns[1]["value"]})
+    (tasks / "docs.json").write_text(json.dumps(docs))
+    (tasks / "utils.py").write_text(
+        "from PIL import Image\n\n\ndef doc_to_visual(doc):\n    return [Image.open(doc['image']).convert('RGB')]\n"
+    )
+    (tasks / "scale.yaml").write_text(
+        f"task: vlmod_scale_check\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {tasks / 'docs.json'}\n"
+        "test_split: test\ndoc_to_visual: !function utils.doc_to_visual\ndoc_to_text: question\n"
+        "doc_to_target: answer\noutput_type: generate_until\ngeneration_kwargs:\n  max_new_tokens: 4\n  until: ['.']\n"
+        "metric_list:\n  - metric: exact_match\n    aggregation: mean\n    higher_is_better: true\n"
+    )
+    return tasks
+
+
+def scale_check(
+    shape: str, workdir: str | Path, *, layers: int = 32, stages: tuple[str, ...] = STAGES, keep: bool = False,
+    progress: bool = True,
+) -> list[StageResult]:
+    """Run `stages` on a `shape` checkpoint built in `workdir` (reused when it is there); the rows of
+    the table, also written to `workdir/scale_check.json` and `.md` after every stage."""
+    from tqdm.auto import tqdm
+
+    from vlmod.data.synthetic import generate
+    from vlmod.models.scale import SHAPES
+
+    if shape not in SHAPES:
+        raise InputError(f"unknown shape {shape!r}; choose one of {', '.join(SHAPES)}")
+    unknown = set(stages) - set(STAGES)
+    if unknown:
+        raise InputError(f"unknown stage(s) {sorted(unknown)}; choose from {', '.join(STAGES)}")
+    root = Path(workdir).expanduser() / f"{shape}-{layers}"
+    root.mkdir(parents=True, exist_ok=True)
+    ckpt, conv, logs = root / "checkpoint", root / "converted", root / "logs"
+    logs.mkdir(exist_ok=True)
+    video = shape == "llava-next-video-7b"
+    data = root / "data"
+    if not (data / "val.json").is_file():
+        generate(data, 4, 8, image_size=336, video=video, num_videos=4, num_val_videos=8, num_frames=8)
+    train_json = data / ("video_train.json" if video else "train.json")
+    val_json = data / ("video_val.json" if video else "val.json")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    rows: list[StageResult] = []
+    # What a command holds before it loads anything: Python, torch, transformers, vlmod imported.
+    imports = "import torch, transformers, vlmod.cli, vlmod.io.hf, vlmod.training.train; from transformers import AutoProcessor"
+    _, baseline, _, _ = run_measured([sys.executable, "-c", imports], logs / "baseline.log", env)
+    plans: dict[str, tuple[list[str], Any]] = {
+        "build": ([sys.executable, "-c", "import sys; from vlmod.models.scale import build_checkpoint; "
+                   "build_checkpoint(sys.argv[1], sys.argv[2], layers=int(sys.argv[3]))", shape, str(ckpt), str(layers)],
+                  None),
+        "convert": (_vlmod("convert", "--model", str(ckpt), "--out", str(conv), "--overwrite"), None),
+        "load": ([sys.executable, "-c", "import sys; from vlmod.io.hf import load_vlm; "
+                  "m, _ = load_vlm(sys.argv[1], ValueError, 'scale-check loads'); print(m.dtype)", str(conv)], None),
+        "rank": (_vlmod("rank", "--model", str(ckpt), "--data", str(val_json), "--num-samples", "2", "--batch-size", "1",
+                        "--json", str(root / "ranks.json"), "--no-progress"), None),
+        "eval": (_vlmod("eval", "--model", str(conv), "--data", str(val_json), "--num-samples", "8", "--batch-size", "4",
+                        "--max-new-tokens", "4", "--json", str(root / "eval.json"), "--no-progress"), None),
+        "lmms": ([str(Path(sys.executable).with_name("lmms-eval")), "--model", "vlmod", "--model_args",
+                  f"pretrained={conv},max_new_tokens=4", "--tasks", "vlmod_scale_check", "--include_path",
+                  str(_lmms_task(root, data / "val.json")), "--limit", "4", "--batch_size", "1",
+                  "--output_path", str(root / "lmms")], None),
+        "demo": (_vlmod("demo", "--model", str(conv), "--port", str(port := _free_port()), "--timing-runs", "0",
+                        "--max-new-tokens", "4"), _demo_request(port, _first_image(data / "val.json"))),
+    }
+    for mode, extra in (("router", []), ("lora", ["--gradient-checkpointing"]), ("full", ["--gradient-checkpointing"])):
+        plans[f"finetune-{mode}"] = (_vlmod(
+            "finetune", "--model", str(conv), "--data", str(train_json), "--output-dir", str(root / f"ft-{mode}"),
+            "--trainable", mode, "--max-steps", "3", "--batch-size", "1", "--mixed-precision", "bf16",
+            "--log-steps", "1", "--overwrite", "--no-progress", *extra), None)
+    bench = "video" if video else "llava"
+    plans["bench"] = (_vlmod("bench", bench, "--model", str(conv), "--warmup", "0", "--repeats", "1",
+                             "--new-tokens", "4", "--json", str(root / "bench.json"), "--no-progress"), None)
+    bar = tqdm(stages, desc=f"scale-check {shape}", unit="stage", disable=not progress)
+    for stage in bar:
+        bar.set_postfix_str(stage)
+        if stage == "build" and (ckpt / "config.json").is_file():
+            bar.write(f"{ckpt} exists: reusing it (delete it to build again)")
+            continue
+        argv, during = plans[stage]
+        seconds, peak, rc, note = run_measured(argv, logs / f"{stage}.log", env, during)
+        if stage == "demo" and rc in (-15, 143):  # stopped by us after its request: that is success
+            rc = 0
+        if stage in REFUSALS:  # a refusal in one line is the expected result; a start is not
+            refusal = _error_line(logs / f"{stage}.log")
+            rc, note = (0, f"refused: {refusal}") if rc == 2 and refusal else (rc or 1, "did not refuse")
+        size = folder_bytes(ckpt)
+        rows.append(StageResult(stage, " ".join(argv[1:] if argv[0] == sys.executable else argv), seconds, peak,
+                                size, rc, baseline, note or ("" if rc == 0 else f"failed: see {logs / f'{stage}.log'}")))
+        bar.write(format_row(rows[-1]))
+        _write(root, shape, layers, rows)
+        if stage.startswith("finetune") and not keep:
+            shutil.rmtree(root / f"ft-{stage.split('-')[1]}", ignore_errors=True)
+    return rows
+
+
+def _error_line(log: Path) -> str | None:
+    lines = [line for line in log.read_text(errors="replace").splitlines() if line.startswith("error: ")]
+    return lines[-1].removeprefix("error: ") if len(lines) == 1 else None
+
+
+def _first_image(data: Path) -> Path:
+    return data.parent / json.loads(data.read_text())[0]["image"]
+
+
+def format_row(r: StageResult) -> str:
+    return (f"| {r.stage} | {r.seconds:.0f} | {r.peak_rss / GIB:.1f} | {r.checkpoint_bytes / GIB:.1f} | {r.ratio:.2f} | "
+            f"{r.ratio_above_baseline:.2f} | {'ok' if r.returncode == 0 else f'exit {r.returncode}'}"
+            f"{'; ' + r.note if r.note else ''} |")
+
+
+def format_table(rows: list[StageResult]) -> str:
+    head = ("| stage | wall s | peak RSS GiB | checkpoint GiB | ratio | above baseline | result |\n"
+            "|---|---|---|---|---|---|---|")
+    return "\n".join([head, *(format_row(r) for r in rows)])
+
+
+def _write(root: Path, shape: str, layers: int, rows: list[StageResult]) -> None:
+    """The table of this run, with the rows of stages an earlier run measured and this one did not
+    (a stage rerun on its own replaces its row only), in the order of STAGES."""
+    meta = {"shape": shape, "layers": layers, "cpus": os.cpu_count(), "memory_bytes": _total_memory()}
+    try:
+        earlier = json.loads((root / "scale_check.json").read_text())["stages"]
+    except (OSError, ValueError, KeyError, TypeError):
+        earlier = []
+    fields = set(StageResult.__dataclass_fields__)
+    ran = {r.stage for r in rows}
+    kept = [StageResult(**{k: v for k, v in row.items() if k in fields})
+            for row in earlier if isinstance(row, dict) and row.get("stage") in set(STAGES) - ran]
+    table = sorted(kept + rows, key=lambda r: STAGES.index(r.stage))
+    write_json(root / "scale_check.json", {**meta, "stages": [
+        asdict(r) | {"ratio": r.ratio, "ratio_above_baseline": r.ratio_above_baseline} for r in table]})
+    write_text(root / "scale_check.md", f"{shape}, {layers} language layers, bfloat16\n\n{format_table(table)}\n")
+
+
+def _total_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+__all__ = ["STAGES", "StageResult", "format_table", "scale_check"]

@@ -1,0 +1,135 @@
+"""What a synthetic recipe depends on (`RecipeSettings`, with the runs the docs quote) and what
+it gives back (`RecipeResult`)."""
+
+from __future__ import annotations
+
+import platform
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from vlmod.errors import InputError
+
+TASKS = ("image", "video")
+VIDEO_POOLS = ("average", "max", "conv")
+
+
+@dataclass
+class RecipeSettings:
+    """Everything a recipe depends on; `for_task` gives the runs docs/results.md quotes."""
+
+    task: str = "image"
+    num_train: int = 16000
+    num_val: int = 2400
+    baseline_samples: int | None = 400
+    image_size: int = 32
+    frames: int = 8
+    video_pool: str = "average"
+    distractors: int = 0
+    captions: bool = False
+    width: int = 128
+    layers: int = 8
+    heads: int = 8
+    kv_heads: int = 2
+    vision_width: int = 128
+    vision_layers: int = 2
+    patch_size: int = 4
+    tower_steps: int = 0
+    dense_steps: int = 2500
+    refine_steps: int = 0
+    image_steps: int = 0
+    num_train_images: int = 0
+    image_batch_size: int = 32
+    image_model: str | None = None
+    dense_lr: float = 1e-3
+    weight_decay: float = 0.05
+    batch_size: int = 32
+    mod_layers: str = "all"
+    schedule: str | None = None
+    targets: tuple[float, ...] = (1.5, 2.0, 3.0, 3.5)
+    goal: float = 3.0
+    rank_samples: int = 64
+    mod_steps: int = 2100
+    mod_lr: float = 5e-4
+    capacity_warmup: float = 0.0
+    router_lr: float = 5e-3
+    routers: tuple[str, ...] = ("random", "stride", "attention")
+    vision_capacity: float = 0.5
+    distill: bool = True
+    dense_control: bool = False
+    eval_batch_size: int = 32
+    seed: int = 0
+    threads: int | None = None
+
+    @classmethod
+    def for_task(cls, task: str, quick: bool = False, **overrides: Any) -> RecipeSettings:
+        """The defaults of `task` ("image" or "video"); `quick`: toy sizes that run the whole
+        pipeline in well under two minutes (for tests; its accuracies mean nothing)."""
+        if task not in TASKS:
+            raise InputError(f"--task must be one of {', '.join(TASKS)}, got {task!r}")
+        base: dict[str, Any] = {"task": task}
+        if task == "video":
+            base.update(num_train=8000, num_val=2520, baseline_samples=420, batch_size=16, eval_batch_size=16, captions=True,
+                        image_steps=2000, num_train_images=8000, dense_steps=2000, mod_steps=1500, mod_lr=1e-3,
+                        tower_steps=1500, refine_steps=1500)
+        if quick:
+            base.update(
+                num_train=32 if task == "image" else 28, num_val=8 if task == "image" else 14, width=64, layers=4,
+                vision_width=32, patch_size=8, dense_steps=3, mod_steps=2, rank_samples=4, batch_size=8,
+                frames=4, eval_batch_size=16, targets=(1.5, 3.0),
+            )
+            base.update(baseline_samples=6 if task == "image" else 5)
+            if task == "video":
+                base.update(image_steps=2, num_train_images=16, tower_steps=2, refine_steps=2)
+        base.update(overrides)
+        return cls(**base)
+
+    def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise InputError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
+        if not self.targets or any(t <= 1.0 for t in self.targets):
+            raise InputError(f"targets are LM FLOPs reductions > 1 (e.g. 2 for half the FLOPs), got {self.targets}")
+        if self.task == "video" and self.tower_steps and not (self.num_train_images or self.image_model):
+            raise InputError("tower pretraining learns on the image set: give num_train_images > 0 or tower_steps 0")
+        if self.video_pool not in VIDEO_POOLS:
+            raise InputError(f"video_pool must be one of {', '.join(VIDEO_POOLS)}, got {self.video_pool!r}")
+        self.targets = tuple(sorted(float(t) for t in self.targets))
+        self.routers = tuple(self.routers)
+
+    @property
+    def family(self) -> str:
+        return "llava" if self.task == "image" else "llava_next_video"
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["targets"], d["routers"] = list(self.targets), list(self.routers)
+        return d
+
+
+@dataclass
+class RecipeResult:
+    settings: RecipeSettings
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    stages: dict[str, float] = field(default_factory=dict)
+    layers: list[int] = field(default_factory=list)
+    ranks: list[float] = field(default_factory=list)
+    points: list[dict[str, Any]] = field(default_factory=list)
+
+    def row(self, method: str, target: float | None = None) -> dict[str, Any]:
+        return next(r for r in self.rows if r["method"] == method and r["target"] == target)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "settings": self.settings.to_dict(),
+            "converted_layers": self.layers,
+            "normalized_ranks": self.ranks,
+            "compute_points": self.points,
+            "results": self.rows,
+            "stage_seconds": self.stages,
+            "total_seconds": sum(self.stages.values()),
+            "machine": {"platform": platform.platform(), "threads": torch.get_num_threads()},
+        }
+
+
+__all__ = ["TASKS", "VIDEO_POOLS", "RecipeResult", "RecipeSettings"]

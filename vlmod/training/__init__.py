@@ -1,0 +1,1 @@
+"""Fine-tuning with Accelerate: configuration, memory estimate, the loop, checkpoints, distillation."""

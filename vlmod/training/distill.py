@@ -1,0 +1,65 @@
+"""Distillation from the dense model while a MoD model fine-tunes (`distill_from` in finetune).
+
+Why: a converted model starts as the dense model with most vision tokens skipped; matching the
+dense model's answer distribution, not only the one-hot reference, tells every skipped-token
+error apart from a right answer given less confidently (the usual recipe of token-reduction
+fine-tunes, e.g. p-MoD). The loss is KL(teacher || student) of the next-token distributions at
+the answer positions (labels != -100), averaged over those positions, at temperature T (scaled by
+T^2 so its gradient does not shrink with T).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from vlmod.data.answers import answer_mask
+
+
+def distillation_loss(
+    student_logits: Tensor,
+    teacher_logits: Tensor,
+    labels: Tensor,
+    temperature: float = 1.0,
+    num_items: Tensor | float | None = None,
+) -> Tensor:
+    """KL(teacher || student) over the positions that predict an answer token: their mean, or
+    their sum over `num_items` (a multi-process run divides by its share of the global count, as
+    the language-model loss does, so every answer token weighs alike)."""
+    mask = answer_mask(labels)
+    s = student_logits[:, :-1][mask].float() / temperature
+    t = teacher_logits[:, :-1][mask].float() / temperature
+    if s.numel() == 0:
+        return student_logits.sum() * 0.0
+    if num_items is None:
+        kl = F.kl_div(F.log_softmax(s, -1), F.log_softmax(t, -1), log_target=True, reduction="batchmean")
+    else:
+        kl = F.kl_div(F.log_softmax(s, -1), F.log_softmax(t, -1), log_target=True, reduction="sum") / num_items
+    return kl * temperature**2
+
+
+class Teacher:
+    """A frozen copy of the dense model, run under no_grad on each training batch."""
+
+    def __init__(self, model: nn.Module, temperature: float = 1.0):
+        self.model = model.eval().requires_grad_(False)
+        self.temperature = temperature
+
+    @classmethod
+    def load(cls, path: str, device: torch.device, error: type[Exception], temperature: float = 1.0) -> Teacher:
+        from vlmod.io.hf import load_vlm
+
+        model, _ = load_vlm(path, error, "distillation supports", dtype="auto")  # frozen: its own dtype
+        return cls(model.to(device), temperature)
+
+    def loss(self, student_logits: Tensor, batch: dict[str, Any], num_items: Tensor | float | None = None) -> Tensor:
+        with torch.no_grad():
+            inputs = {k: v for k, v in batch.items() if k != "labels"}
+            teacher_logits = self.model(**inputs).logits
+        return distillation_loss(student_logits, teacher_logits, batch["labels"], self.temperature, num_items)
+
+
+__all__ = ["Teacher", "distillation_loss"]

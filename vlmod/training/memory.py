@@ -1,0 +1,143 @@
+"""What a fine-tuning run will hold in memory, estimated before it starts, and the refusal of a
+run that cannot fit (one line that says how much it needs), instead of the kernel's OOM killer
+an hour in.
+
+The estimate counts, per process:
+- the frozen weights in their own dtype (a bfloat16 7B: 13.5 GB, mapped from the checkpoint);
+- every trainable parameter in float32 four times over: the master weight, its gradient and
+  AdamW's two moments (16 bytes a parameter: a full fine-tune of a 7B needs about 108 GB);
+- the activations autograd keeps for the backward pass, from the language model's shape and the
+  tokens of a micro-batch: per token and layer the inputs of the attention and MLP projections
+  (8 x width + 3 x MLP width values, plus the attention scores under eager attention), or only the
+  layer input under gradient checkpointing (plus one layer recomputed); the logits and their
+  gradient in float32. MoD layers are counted as dense (an upper bound: they keep fewer tokens);
+- what the process already holds besides the model (Python, torch, the data).
+How close it comes to a measured peak: docs/results.md, Real size.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    frozen_weights: int
+    trainable_state: int
+    activations: int
+    process: int = 0  # what the process holds besides the model: interpreter, libraries, data
+
+    @property
+    def total(self) -> int:
+        return self.frozen_weights + self.trainable_state + self.activations + self.process
+
+    def describe(self) -> str:
+        return (
+            f"{self.total / GIB:.1f} GiB (frozen weights {self.frozen_weights / GIB:.1f}, trainable weights with "
+            f"gradients and optimizer state {self.trainable_state / GIB:.1f}, activations {self.activations / GIB:.1f}, "
+            f"the process itself {self.process / GIB:.1f})"
+        )
+
+
+def _text_config(model: nn.Module) -> Any:
+    config = getattr(model, "config", None)
+    return getattr(config, "text_config", None) or config
+
+
+def estimate(
+    model: nn.Module, tokens: int, *, longest: int, compute_dtype: torch.dtype, gradient_checkpointing: bool
+) -> MemoryEstimate:
+    """Bytes a training step of `model` (trainable parameters marked) holds for a micro-batch of
+    `tokens` tokens whose longest row is `longest`, activations in `compute_dtype`."""
+    frozen = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    text = _text_config(model)
+    width = int(getattr(text, "hidden_size", 0) or 0)
+    mlp = int(getattr(text, "intermediate_size", 0) or 4 * width)
+    layers = int(getattr(text, "num_hidden_layers", 0) or 0)
+    heads = int(getattr(text, "num_attention_heads", 0) or 0)
+    vocab = int(getattr(text, "vocab_size", 0) or 0)
+    eager = getattr(text, "_attn_implementation", None) == "eager"
+    size = torch.finfo(compute_dtype).bits // 8
+    per_layer = tokens * size * (8 * width + 3 * mlp + (heads * longest if eager else 0))
+    if gradient_checkpointing:
+        activations = layers * tokens * size * width + per_layer
+    else:
+        activations = layers * per_layer
+    activations += 2 * tokens * vocab * 4  # float32 logits and their gradient
+    return MemoryEstimate(frozen, 16 * trainable, activations, process_bytes(next(model.parameters()).device))
+
+
+def process_bytes(device: torch.device) -> int:
+    """This process's own anonymous memory on CPU (the model's mapped weights are file pages, not
+    counted here); nothing on a GPU, whose free memory is measured as it is."""
+    if device.type != "cpu":
+        return 0
+    return _meminfo(Path("/proc/self/status")).get("RssAnon", 0)
+
+
+def available_bytes(device: torch.device) -> int:
+    """Memory this process can still use on `device`, counting what it already holds: a GPU's
+    free plus allocated bytes; on CPU, MemAvailable (reclaimable page cache included, so the
+    mapped checkpoint counts as available too) plus this process's own anonymous memory, capped
+    by a cgroup limit."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free + torch.cuda.memory_allocated(device))
+    info = _meminfo(Path("/proc/meminfo"))
+    own = _meminfo(Path("/proc/self/status")).get("RssAnon", 0)
+    if "MemAvailable" not in info:  # not Linux: nothing to go by
+        return 1 << 62
+    available = info["MemAvailable"] + own
+    limit = _cgroup_limit()
+    return min(available, limit) if limit else available
+
+
+def _meminfo(path: Path) -> dict[str, int]:
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return {}
+    values = {}
+    for line in lines:
+        key, _, rest = line.partition(":")
+        parts = rest.split()
+        if len(parts) == 2 and parts[1] == "kB" and parts[0].isdigit():
+            values[key] = int(parts[0]) * 1024
+    return values
+
+
+def _cgroup_limit() -> int | None:
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < 1 << 60:
+            return int(text)
+    return None
+
+
+def check_fits(needed: MemoryEstimate, device: torch.device, error: type[Exception]) -> None:
+    """`error` (one line: what it needs, what is free, what to change) when the estimate exceeds
+    what `device` has; VLMOD_SKIP_MEMORY_CHECK=1 turns the check off (an estimate can be wrong)."""
+    if os.environ.get("VLMOD_SKIP_MEMORY_CHECK") == "1":
+        return
+    have = available_bytes(device)
+    if needed.total > have:
+        raise error(
+            f"this fine-tune needs about {needed.describe()}, but {device.type} has {have / GIB:.1f} GiB free; "
+            "train less (trainable: router or lora), turn on gradient_checkpointing, lower batch_size, or use a "
+            "machine with more memory (VLMOD_SKIP_MEMORY_CHECK=1 runs it anyway)"
+        )
+
+
+__all__ = ["MemoryEstimate", "available_bytes", "check_fits", "estimate", "process_bytes"]

@@ -1,0 +1,124 @@
+"""Fine-tune a (converted) LLaVA model on LLaVA-format image-text data with Accelerate.
+
+One loop for one CPU, one GPU or many: `accelerate launch scripts/finetune.py --config ...` runs
+it under DDP, FSDP or DeepSpeed as the accelerate config says; plain `python scripts/finetune.py`
+runs it in one process. What trains is a mode, not a list of names:
+
+=============  ============================================================================
+trainable      parameters that get gradients
+=============  ============================================================================
+router         the MoD routers only (the cheapest way to teach a fresh conversion to route)
+language       routers + multimodal projector + language model (LLaVA stage-2 style)
+lora           routers + projector in full, LoRA adapters (peft) on the language model's
+               attention and MLP projections; merged into the weights when saved
+full           everything but the vision tower
+=============  ============================================================================
+
+`train_vision_tower: true` adds the vision tower to any mode (training from scratch needs it).
+
+A run goes through stages: `prepare` (`vlmod.training.setup`: the launch, model, data, optimizer),
+`resume_position` and `run_steps` (`vlmod.training.loop`), `start_output` and `finish` here.
+Checkpoints, resuming and the run's ownership of its output folder: `vlmod.training.checkpoints`.
+The final model is written with `save_pretrained` (and its processor) to `output_dir/model`:
+`vlmod.load_pretrained` and `vlmod eval` load it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from vlmod.errors import TrainError
+from vlmod.io.files import write_json
+from vlmod.training.checkpoints import RUN_FILE, clear_output_dir, latest_checkpoint, run_settings, save_model
+from vlmod.training.config import TRAINABLE, TrainConfig
+from vlmod.training.loop import Steps, resume_position, run_steps
+from vlmod.training.setup import EpochSampler, Run, cast_trainable, prepare, set_trainable, sharded
+
+
+@dataclass
+class TrainResult:
+    """What a run did: optimizer steps, the last logged losses, where the model went."""
+
+    step: int
+    loss: float | None
+    val_loss: float | None
+    routed_fraction: float | None
+    model_dir: Path
+    seconds: float
+    history: list[dict[str, float]] = field(default_factory=list)
+    main_process: bool = True
+
+
+def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
+    """Run `cfg` (see the module doc) and return what it did: prepare the run, find where it
+    resumes, take its output folder, train, save."""
+    start = time.perf_counter()
+    run = prepare(cfg)
+    position = resume_position(run)
+    start_output(run)
+    steps = run_steps(run, position, progress)
+    model_dir = finish(run, steps)
+    last = steps.last
+    return TrainResult(
+        step=steps.step,
+        loss=last.get("loss"),
+        val_loss=steps.val_loss,
+        routed_fraction=None if "skip_rate" not in last else 1.0 - last["skip_rate"],
+        model_dir=model_dir,
+        seconds=time.perf_counter() - start,
+        history=steps.history,
+        main_process=run.accelerator.is_main_process,
+    )
+
+
+def start_output(run: Run) -> None:
+    """Take the output folder (cleared with `overwrite`; the run's settings written, which a resume
+    checks), start the trackers, and say what trains in which dtype."""
+    cfg, accelerator, frozen = run.cfg, run.accelerator, run.frozen_dtype
+    if accelerator.is_main_process:
+        if cfg.overwrite:
+            clear_output_dir(Path(cfg.output_dir))
+        Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+        write_json(Path(cfg.output_dir) / RUN_FILE, {"settings": run_settings(cfg)})
+    if cfg.report_to:
+        accelerator.init_trackers("vlmod-finetune", config={k: str(v) for k, v in cfg.to_dict().items()})
+    accelerator.print(
+        f"weights: frozen in {str(frozen).removeprefix('torch.')}, trainable in float32 (master weights), "
+        f"forward {'in float32' if frozen == torch.float32 and cfg.mixed_precision == 'no' else 'under autocast'}; "
+        f"estimated peak {run.needed.describe()}"
+    )
+    batch = cfg.batch_size * cfg.gradient_accumulation_steps * accelerator.num_processes
+    accelerator.print(
+        f"training {', '.join(f'{k} {v:,}' for k, v in run.groups.items())} parameters; "
+        f"{run.train_size} samples, {run.total_steps} steps of {batch}"
+    )
+
+
+def finish(run: Run, steps: Steps) -> Path:
+    """Save the model in the checkpoint's dtype (and its processor) to `output_dir/model`, and the
+    log to `train_log.json`; where the model went."""
+    cfg, accelerator = run.cfg, run.accelerator
+    if not sharded(accelerator):
+        cast_trainable(accelerator.unwrap_model(run.model), run.frozen_dtype)  # saved in the checkpoint's dtype
+    out_dir = save_model(accelerator, run.model, run.processor, Path(cfg.output_dir) / "model")
+    if accelerator.is_main_process:
+        write_json(Path(cfg.output_dir) / "train_log.json", {"config": cfg.to_dict(), "history": steps.history})
+    if cfg.report_to:
+        accelerator.end_training()
+    return out_dir
+
+
+__all__ = [
+    "TRAINABLE",
+    "EpochSampler",
+    "TrainConfig",
+    "TrainError",
+    "TrainResult",
+    "latest_checkpoint",
+    "set_trainable",
+    "train",
+]
