@@ -125,7 +125,7 @@ def test_a_finetune_that_cannot_fit_refuses_in_one_line(low, tmp_path, monkeypat
 
 
 def test_the_estimate_counts_master_weights_optimizer_and_checkpointing() -> None:
-    from vlmod.training.memory import estimate
+    from vlmod.training.memory import HEADROOM, estimate
 
     model, _ = tiny.build("llava")
     model.requires_grad_(False)
@@ -137,6 +137,10 @@ def test_the_estimate_counts_master_weights_optimizer_and_checkpointing() -> Non
     assert full.trainable_state == 16 * lm
     saved = estimate(model, 100, longest=50, compute_dtype=torch.float32, gradient_checkpointing=True)
     assert saved.activations < full.activations
+    # Headroom: AdamW's temporaries (8 bytes a trained parameter), a fixed margin and 10% of the rest.
+    rest = full.trainable_state + full.activations + full.process
+    assert full.headroom == 8 * lm + HEADROOM + rest // 10
+    assert full.total == full.frozen_weights + rest + full.headroom
 
 
 def test_align_file_keeps_every_tensor_and_aligns_the_matrices(tmp_path) -> None:
