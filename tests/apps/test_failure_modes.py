@@ -191,6 +191,62 @@ def test_convert_cleans_leftovers_and_gives_normal_permissions(work, tmp_path, c
     assert out.stat().st_mode & 0o777 == 0o777 & ~umask
 
 
+def test_a_second_convert_to_the_same_out_is_refused_and_deletes_nothing(work, tmp_path, capsys):
+    """While one convert writes --out, another to the same --out stops in one line and leaves the
+    first one's temp folder alone (it used to take it for a killed run's leftover)."""
+    fcntl = pytest.importorskip("fcntl")
+    out = tmp_path / "mod"
+    running = tmp_path / ".mod.tmp-running1"
+    running.mkdir()
+    fd = os.open(tmp_path / ".mod.lock", os.O_CREAT | os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # what the first convert holds while it saves
+        assert cli_main(["convert", "--model", str(work / "dense"), "--out", str(out), "--layers", "1,2"]) == 2
+        assert "being written by another process" in _error_line(capsys)
+        assert running.is_dir() and not out.exists()
+    finally:
+        os.close(fd)
+    assert cli_main(["convert", "--model", str(work / "dense"), "--out", str(out), "--layers", "1,2"]) == 0
+    assert (out / "config.json").is_file() and not (tmp_path / ".mod.lock").exists()
+
+
+def test_a_safetensors_write_error_is_one_line(work, tmp_path, capsys, monkeypatch):
+    """The safetensors writer's own error (a full disk mid-shard) has no strerror: still one line,
+    and --out is not created."""
+    from safetensors import SafetensorError
+
+    import vlmod.tools.convert as convert_module
+
+    def full_disk(folder):
+        raise SafetensorError("Error while serializing: IoError(No space left on device (os error 28))")
+
+    monkeypatch.setattr(convert_module, "align_folder", full_disk)
+    out = tmp_path / "mod"
+    assert cli_main(["convert", "--model", str(work / "dense"), "--out", str(out), "--layers", "1,2"]) == 2
+    line = _error_line(capsys)
+    assert "No space left on device" in line and "not created" in line
+    assert not out.exists() and not list(tmp_path.glob(".mod.tmp-*"))
+
+
+BILLION_LAUGHS = "".join(
+    [f"l0: &l0 [{', '.join(['lol'] * 9)}]\n"]
+    + [f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]\n" for i in range(1, 9)]
+)
+
+
+def test_a_config_of_nested_aliases_is_refused_in_one_short_line(work, tmp_path, capsys):
+    """A few hundred bytes of YAML aliases of aliases stand for 9^9 values: refused as read, in a
+    line that does not print them."""
+    for command, section in (("finetune", "mod: {capacity: *l8}\n"), ("convert", "mod: {capacity: *l8}\n")):
+        config = tmp_path / f"{command}.yaml"
+        config.write_text(BILLION_LAUGHS + section)
+        argv = [command, "--config", str(config)]
+        argv += ["--model", str(work / "dense"), "--out", str(tmp_path / "mod")] if command == "convert" else []
+        assert cli_main(argv) == 2, command
+        line = _error_line(capsys)
+        assert "expands to more than 100,000 values" in line and len(line) < 400, line
+
+
 # ----------------------------------------------------------------------------- damaged / foreign checkpoints
 
 

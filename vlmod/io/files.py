@@ -1,5 +1,5 @@
 """Files in and out safely: atomic writes (a reader, or a crash mid-write, never sees a half-written
-file) and the YAML config files commands read."""
+file), one writer at a time for an output folder, and the YAML config files commands read."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,39 @@ def default_file_mode() -> int:
     umask = os.umask(0)
     os.umask(umask)
     return 0o666 & ~umask
+
+
+@contextmanager
+def sole_writer(path: Path, error: type[Exception], flag: str) -> Iterator[None]:
+    """Hold a lock on `path` (the file `.NAME.lock` beside it) while writing it: a second process
+    writing the same path fails at once with `error`, in one line, instead of taking the first
+    one's temp files for leftovers of a killed run and deleting them. Without POSIX locks
+    (Windows) nothing is locked."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    lock = path.with_name(f".{path.name}.lock")
+    try:
+        fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o644)
+    except OSError as err:
+        raise error(f"cannot write to {path.parent}: {err.strerror or err}") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise error(
+                f"{flag} {path} is being written by another process right now; wait for it to finish "
+                f"or choose another {flag}"
+            ) from None
+        try:
+            yield
+        finally:
+            with suppress(OSError):
+                os.unlink(lock)  # while still held: a later writer makes a fresh lock file
+    finally:
+        os.close(fd)
 
 
 def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> None:
@@ -70,18 +105,49 @@ def save_pretrained_atomic(model: Any, processor: Any, folder: str | os.PathLike
 __all__ = ["save_pretrained_atomic", "default_file_mode", "write_bytes_atomic", "write_json", "write_text"]
 
 
+# A config file's values once its aliases are expanded: a settings file has tens; a "billion
+# laughs" file (aliases of aliases) a few KB long has billions, which printing or validating them
+# would build (one took a fine-tune to 12.6 GB and printed a 2 GB error line).
+MAX_YAML_VALUES = 100_000
+
+
 def read_yaml_mapping(path: str | Path, error: type[Exception]) -> dict[str, Any]:
     """The mapping a YAML config file holds; `error` naming the file when it is missing, not YAML,
-    or not a mapping."""
+    not a mapping, or its aliases expand to more than MAX_YAML_VALUES values."""
     import yaml
 
     p = Path(path).expanduser()
     if not p.is_file():
         raise error(f"config file {path} does not exist")
+    loader = yaml.SafeLoader(p.read_text())
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        node = loader.get_single_node()
+        if node is not None and _expanded_values(node, MAX_YAML_VALUES) > MAX_YAML_VALUES:
+            raise error(
+                f"{path} expands to more than {MAX_YAML_VALUES:,} values (YAML aliases repeating each other); "
+                "write the settings out without nested aliases"
+            )
+        data = (loader.construct_document(node) if node is not None else None) or {}
     except yaml.YAMLError as e:
         raise error(f"{path} is not valid YAML: {e}") from None
+    finally:
+        loader.dispose()
     if not isinstance(data, dict):
         raise error(f"{path} must hold a mapping of settings, got {type(data).__name__}")
     return data
+
+
+def _expanded_values(node: Any, limit: int) -> int:
+    """How many nodes `node` stands for with every alias expanded (an alias is the node it names,
+    met again), counted up to just past `limit`: no expansion is built."""
+    import yaml
+
+    count, stack = 0, [node]
+    while stack and count <= limit:
+        current = stack.pop()
+        count += 1
+        if isinstance(current, yaml.SequenceNode):
+            stack.extend(current.value)
+        elif isinstance(current, yaml.MappingNode):
+            stack.extend(v for pair in current.value for v in pair)
+    return count

@@ -17,7 +17,7 @@ from safetensors import SafetensorError
 from tqdm.auto import tqdm
 
 from vlmod.config import DTYPES, MoDConfig
-from vlmod.io.files import read_yaml_mapping
+from vlmod.io.files import read_yaml_mapping, sole_writer
 from vlmod.io.hf import checkpoint_dtype, load_config, model_class, torch_dtype
 from vlmod.io.safetensors_layout import align_folder, damaged_safetensors
 from vlmod.routing.schedule import capacity_to_k
@@ -92,7 +92,8 @@ def _check_out(out: Path, overwrite: bool, model: str) -> None:
 
 def _remove_leftovers(out: Path) -> None:
     """Temp folders of an earlier convert to `out` that was killed mid-save (`.NAME.tmp-*`, and
-    `.NAME.old-*` of a replace): only this command writes those names, so they are removed."""
+    `.NAME.old-*` of a replace): only a convert to `out` writes those names, and it holds the lock on
+    `out` (`sole_writer`) while it does, so any found now were left by a killed run."""
     if not out.parent.is_dir():
         return
     for path in sorted(out.parent.glob(f".{out.name}.tmp-*")) + sorted(out.parent.glob(f".{out.name}.old-*")):
@@ -178,14 +179,24 @@ def predict(model: torch.nn.Module, prompt_tokens: int) -> dict[str, Any]:
 
 
 def convert(options: ConvertOptions) -> dict[str, Any]:
-    """Load, convert, save (to a temporary directory renamed into place) and report."""
-    import vlmod
-
+    """Load, convert, save (to a temporary directory renamed into place) and report. One convert
+    writes a given --out at a time: a second one stops before loading anything."""
     out = Path(options.out).expanduser()
     _check_out(out, options.overwrite, options.model)
     if options.dtype not in DTYPES:
         raise ConvertError(f"--dtype must be one of {', '.join(DTYPES)}, got {options.dtype!r}")
     _check_shard_size(options.max_shard_size)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConvertError(f"cannot write to {out.parent}: {err.strerror or err}") from None
+    with sole_writer(out, ConvertError, "--out"):
+        return _convert(options, out)
+
+
+def _convert(options: ConvertOptions, out: Path) -> dict[str, Any]:
+    import vlmod
+
     try:
         language = options.language_config()
         vision = options.vision_config()
@@ -229,14 +240,23 @@ def convert(options: ConvertOptions) -> dict[str, Any]:
         "prediction": predict(model, options.prompt_tokens),
     }
     steps.set_postfix_str("saving")
+    _save(model, processor, report, out, options.max_shard_size, steps)
+    steps.update()
+    steps.close()
+    return report
+
+
+def _save(model: Any, processor: Any, report: dict[str, Any], out: Path, max_shard_size: str | int, steps: Any) -> None:
+    """Write the converted model to a temp folder beside `out`, check it, then move it into place:
+    `out` is complete or as it was. The caller holds the lock on `out`."""
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
         _remove_leftovers(out)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     except OSError as err:
+        steps.close()
         raise ConvertError(f"cannot write to {out.parent}: {err.strerror or err}") from None
     try:
-        model.save_pretrained(tmp, max_shard_size=options.max_shard_size)
+        model.save_pretrained(tmp, max_shard_size=max_shard_size)
         align_folder(tmp)  # so loading maps the weights and computes what was saved, bit for bit
         if processor is not None:
             processor.save_pretrained(tmp)
@@ -249,16 +269,15 @@ def convert(options: ConvertOptions) -> dict[str, Any]:
     except (OSError, SafetensorError) as err:  # disk full, quota, permissions: nothing at --out has changed
         shutil.rmtree(tmp, ignore_errors=True)
         steps.close()  # ends the bar's line, so the error is a line of its own
+        # A SafetensorError (the Rust writer's) has no strerror: its message is the reason.
+        reason = getattr(err, "strerror", None) or (str(err).splitlines() or [type(err).__name__])[0]
         raise ConvertError(
-            f"could not save the converted model to {out}: {err.strerror or str(err).splitlines()[0]} "
+            f"could not save the converted model to {out}: {reason} "
             f"({'unchanged' if out.exists() else 'not created'}); free space or choose another --out"
         ) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    steps.update()
-    steps.close()
-    return report
 
 
 def _check_shard_size(size: str | int) -> None:
