@@ -136,7 +136,13 @@ def test_a_full_disk_at_the_final_save_is_one_line(work, tmp_path, capsys, monke
     assert cli_main(["finetune", "--config", str(config), "--no-progress"]) == 2
     line = _error_line(capsys)
     assert "could not save the model" in line and "No space left on device" in line
+    assert "saved no checkpoint" in line and "--resume" not in line  # none to resume from: it says so
     assert not (tmp_path / "run" / "model").exists() and not (tmp_path / "run" / "model.tmp").exists()
+    config.write_text(yaml.safe_dump({**_cfg(work, tmp_path / "kept", max_steps=2, save_steps=1).to_dict()}))
+    assert cli_main(["finetune", "--config", str(config), "--no-progress"]) == 2
+    line = _error_line(capsys)
+    assert "--resume latest" in line and "checkpoint step-1 is kept" in line
+    assert (tmp_path / "kept" / "checkpoints" / "step-1").is_dir()
 
 
 # ----------------------------------------------------------------------------- outputs checked first

@@ -264,7 +264,7 @@ def save_model(accelerator: Any, model: nn.Module, processor: Any, out: Path) ->
             model, state_dict = model.merge_and_unload(), None
         from safetensors import SafetensorError
 
-        from vlmod.io.hf import damaged_safetensors
+        from vlmod.io.safetensors_layout import damaged_safetensors
 
         try:
             model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
@@ -276,9 +276,13 @@ def save_model(accelerator: Any, model: nn.Module, processor: Any, out: Path) ->
         except (OSError, SafetensorError) as e:
             shutil.rmtree(tmp, ignore_errors=True)
             reason = getattr(e, "strerror", None) or str(e).splitlines()[0]
+            kept = latest_checkpoint(out.parent)
+            then = (
+                f"then continue with --resume latest (checkpoint {kept.name} is kept)" if kept else
+                "then run again: this run saved no checkpoint to resume from (save_steps 0; set it to keep some)"
+            )
             raise TrainError(
-                f"could not save the model to {out}: {reason}; free space or fix the folder's permissions, then "
-                "continue with --resume latest (the checkpoints are kept)"
+                f"could not save the model to {out}: {reason}; free space or fix the folder's permissions, {then}"
             ) from None
         shutil.rmtree(out, ignore_errors=True)
         os.replace(tmp, out)
