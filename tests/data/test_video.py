@@ -84,6 +84,26 @@ def test_unreadable_file(tmp_path, backend, content: bytes, capfd: pytest.Captur
     assert capfd.readouterr().err == ""  # decord's and ffmpeg's native log lines are kept out
 
 
+def test_a_header_that_claims_billions_of_frames_is_refused_in_one_line(tmp_path):
+    """A 5 KB mp4 whose `stts` box claims 2,000,000,000 frames used to abort the whole process
+    inside decord (std::bad_alloc, exit 134, nothing printed). Read in a child process, so a
+    regression fails this test instead of killing the suite."""
+    import struct
+    import subprocess
+    import sys
+
+    path = write_video(tmp_path / "clip.mp4", (np.random.default_rng(0).random((4, 32, 32, 3)) * 255).astype("uint8"))
+    data = bytearray(path.read_bytes())
+    box = data.index(b"stts")
+    data[box + 12:box + 16] = struct.pack(">I", 2_000_000_000)  # the first entry's sample count
+    forged = tmp_path / "forged.mp4"
+    forged.write_bytes(bytes(data))
+    code = "import sys; from vlmod.data.video import load_video; load_video(sys.argv[1])"
+    done = subprocess.run([sys.executable, "-c", code, str(forged)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "VideoError" in done.stderr and "claims 2,000,000,000 frames" in done.stderr
+
+
 def test_no_video_stream(tmp_path, backend):
     import av
 

@@ -66,6 +66,7 @@ def load_video(path: str | Path, num_frames: int = 8, sample: str = "uniform", f
         raise FileNotFoundError(f"video file {path} does not exist")
     if fps is not None and sample == "uniform":
         sample = "fps"
+    _check_claims(path)
     try:
         import decord
     except ImportError:
@@ -93,6 +94,28 @@ def load_video(path: str | Path, num_frames: int = 8, sample: str = "uniform", f
         raise VideoError(f"could not decode frames of {path}: the file is corrupt ({reason})")
     frames, stamps = decoded
     return Video(frames=frames, timestamps=stamps.astype(np.float64), fps=video_fps, total_frames=total)
+
+
+def _check_claims(path: Path) -> None:
+    """Refuse a file whose container claims more frames than it has bytes, before decord reads it:
+    decord sizes its frame index from the claim, and a 5 KB mp4 whose `stts` box claims two billion
+    frames makes it abort the whole process (std::bad_alloc, not catchable from Python). PyAV reads
+    the claim without building that index."""
+    try:
+        import av
+    except ImportError:  # nothing to check with: decord's own handling
+        return
+    try:
+        with av.open(str(path)) as container:
+            claimed = max((int(s.frames or 0) for s in container.streams.video), default=0)
+    except (av.error.FFmpegError, OSError, ValueError):
+        return  # unreadable to PyAV too: decord gives the reason
+    size = path.stat().st_size
+    if claimed > size:
+        raise VideoError(
+            f"could not read {path}: its header claims {claimed:,} frames in {size:,} bytes (a damaged or "
+            "forged file); re-encode it, e.g. ffmpeg -i IN -c:v libx264 OUT.mp4"
+        )
 
 
 def _quietly(fn: Callable[[], Any]) -> tuple[Any, str | None]:
