@@ -177,3 +177,47 @@ def test_decode_image_checks_shape_from_the_header(tmp_path: Path) -> None:
     with pytest.raises(media.MediaError) as err:
         media.decode_media(path)
     assert err.value.status == 422
+
+
+def test_a_body_that_trickles_in_is_cut_at_its_deadline() -> None:
+    """A client sending its upload a byte at a time loses its request slot at the deadline (grace
+    plus size at the minimum rate) instead of holding it as long as it likes; a body that arrives
+    in time passes, and once it is in, later receives (a disconnect) are not cut."""
+    import asyncio
+
+    from vlmod.demo.guards import BodyLimit, BodyTooSlow
+
+    async def app(scope, receive, send) -> None:
+        while (await receive()).get("more_body"):
+            pass
+        scope["body_done"] = True
+        scope["after"] = await receive()
+
+    def request(chunks: list[bytes], stall: bool) -> tuple[dict, float]:
+        async def run() -> tuple[dict, float]:
+            queue = list(chunks)
+
+            async def receive() -> dict:
+                if queue:
+                    body = queue.pop(0)
+                    return {"type": "http.request", "body": body, "more_body": bool(queue) or stall}
+                if stall:
+                    await asyncio.sleep(3600)  # a client that stops sending
+                await asyncio.sleep(0.5)  # the disconnect comes later than the deadline
+                return {"type": "http.disconnect"}
+
+            scope = {"type": "http", "method": "POST", "headers": [(b"content-length", b"100")]}
+            start = asyncio.get_running_loop().time()
+            guarded = BodyLimit(app, limit=1000, grace=0.2, min_rate=1e6)
+            try:
+                await guarded(scope, receive, lambda message: None)
+            except BodyTooSlow:
+                scope["too_slow"] = True
+            return scope, asyncio.get_running_loop().time() - start
+
+        return asyncio.run(run())
+
+    scope, seconds = request([b"x"], stall=True)
+    assert scope.get("too_slow") and not scope.get("body_done") and seconds < 2.0
+    scope, _ = request([b"x" * 50, b"y" * 50], stall=False)
+    assert scope.get("body_done") and scope["after"]["type"] == "http.disconnect" and not scope.get("too_slow")

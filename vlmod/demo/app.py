@@ -62,7 +62,17 @@ from starlette.staticfiles import StaticFiles
 from vlmod.demo.analysis import analyze
 from vlmod.demo.checkpoints import resolve_checkpoint
 from vlmod.demo.examples import EXAMPLES_DIR, Example, about_model, load_examples
-from vlmod.demo.guards import BodyLimit, BodyTooLarge, WorkGate, error, save_upload, too_large
+from vlmod.demo.guards import (
+    MIN_UPLOAD_RATE,
+    UPLOAD_GRACE_S,
+    BodyLimit,
+    BodyTooLarge,
+    BodyTooSlow,
+    WorkGate,
+    error,
+    save_upload,
+    too_large,
+)
 from vlmod.demo.inference import TIMING_RUNS, warm_up
 from vlmod.demo.layout import AnalysisError
 from vlmod.demo.media import (
@@ -305,6 +315,11 @@ class Demo:
             return await request.form(max_files=1, max_fields=8, max_part_size=FORM_OVERHEAD)
         except BodyTooLarge:
             raise Refusal(too_large(self.limits.max_upload)) from None
+        except BodyTooSlow:
+            raise Refusal(error(
+                f"the upload arrived too slowly (the demo waits {UPLOAD_GRACE_S:.0f} s plus one second per "
+                f"{MIN_UPLOAD_RATE // 1024} KB); try again on a faster connection", 408,
+            )) from None
         except MultiPartException as err:
             raise Refusal(error(f"bad form data: {err}", 400)) from None
         except (AssertionError, ValueError) as err:  # no / wrong content type

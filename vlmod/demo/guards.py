@@ -1,8 +1,9 @@
-"""What keeps the demo server within bounds: the request body cap, the gate that bounds how many
-requests decode and run at once, and uploads copied to disk in chunks."""
+"""What keeps the demo server within bounds: the request body cap and its deadline, the gate that
+bounds how many requests decode and run at once, and uploads copied to disk in chunks."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from pathlib import Path
 
@@ -10,9 +11,19 @@ from starlette.datastructures import UploadFile
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+# A request body must arrive within UPLOAD_GRACE_S plus its size at MIN_UPLOAD_RATE: a client that
+# trickles its upload (a byte a second) would otherwise hold one of the few request slots for as
+# long as it likes, and ten of them lock everyone out.
+UPLOAD_GRACE_S = 10.0
+MIN_UPLOAD_RATE = 64 * 1024  # bytes a second
+
 
 class BodyTooLarge(Exception):
     """A request body went past the limit while it was read."""
+
+
+class BodyTooSlow(Exception):
+    """A request body did not arrive by its deadline."""
 
 
 def error(message: str, status: int) -> JSONResponse:
@@ -54,11 +65,13 @@ class WorkGate:
 
 
 class BodyLimit:
-    """Refuse request bodies over `limit` bytes: by Content-Length up front, else while reading."""
+    """Refuse request bodies over `limit` bytes (by Content-Length up front, else while reading)
+    and bodies that arrive slower than their deadline (`BodyTooSlow` from the app's `receive`)."""
 
-    def __init__(self, app: ASGIApp, limit: int) -> None:
+    def __init__(self, app: ASGIApp, limit: int, grace: float = UPLOAD_GRACE_S, min_rate: float = MIN_UPLOAD_RATE) -> None:
         self.app = app
         self.limit = limit
+        self.grace, self.min_rate = grace, min_rate
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
@@ -69,14 +82,24 @@ class BodyLimit:
         if length is not None and length.isdigit() and int(length) > self.limit:
             await too_large(self.limit)(scope, receive, send)
             return
-        seen = 0
+        seen, complete = 0, False
+        loop = asyncio.get_running_loop()
+        expected = int(length) if length is not None and length.isdigit() else self.limit
+        deadline = loop.time() + self.grace + expected / self.min_rate
 
         async def counted() -> Message:
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, complete
+            if complete:  # the body is in: later receives (a disconnect) wait as long as they need
+                return await receive()
+            remaining = deadline - loop.time()
+            try:
+                message = await asyncio.wait_for(receive(), timeout=max(remaining, 0.0))
+            except asyncio.TimeoutError:
+                raise BodyTooSlow from None
             seen += len(message.get("body", b""))
             if seen > self.limit:
                 raise BodyTooLarge
+            complete = message.get("type") != "http.request" or not message.get("more_body", False)
             return message
 
         await self.app(scope, counted, send)
