@@ -8,6 +8,8 @@ from dataclasses import asdict, dataclass, field, fields
 from enum import IntEnum
 from typing import Any
 
+from vlmod.errors import brief
+
 
 class TokenType(IntEnum):
     """What a token is; decides whether it may be skipped at a MoD layer."""
@@ -29,7 +31,7 @@ class TokenType(IntEnum):
             return cls[str(name).upper()]
         except KeyError:
             valid = ", ".join(t.name.lower() for t in cls)
-            raise ValueError(f"unknown token type {name!r}; valid types: {valid}") from None
+            raise ValueError(f"unknown token type {brief(name)}; valid types: {valid}") from None
 
 
 # The names `--dtype` (and `dtype:` of a config) accept: "auto" keeps the checkpoint's own dtype,
@@ -83,7 +85,7 @@ class MoDConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.capacity, bool) or not isinstance(self.capacity, (int, float)):
-            raise ValueError(f"capacity must be a number in (0, 1], got {self.capacity!r}")
+            raise ValueError(f"capacity must be a number in (0, 1], got {brief(self.capacity)}")
         if not (0.0 < float(self.capacity) <= 1.0) or math.isnan(self.capacity):
             raise ValueError(
                 f"capacity must be in (0, 1] (the fraction of routable tokens a MoD layer "
@@ -94,16 +96,16 @@ class MoDConfig:
             if self.layers not in LAYER_PRESETS:
                 raise ValueError(
                     f"layers must be one of {LAYER_PRESETS} or a list of layer indices, "
-                    f"got {self.layers!r}"
+                    f"got {brief(self.layers)}"
                 )
         else:
             layers = list(self.layers)
             if not layers:
                 raise ValueError("layers is empty: name at least one layer to convert")
             if any(isinstance(i, bool) or not isinstance(i, int) for i in layers):
-                raise ValueError(f"layer indices must be integers, got {layers!r}")
+                raise ValueError(f"layer indices must be integers, got {brief(layers)}")
             if len(set(layers)) != len(layers):
-                raise ValueError(f"layer indices repeat: {layers!r}")
+                raise ValueError(f"layer indices repeat: {brief(layers)}")
             self.layers = sorted(layers)
         if isinstance(self.routable, str):
             self.routable = (self.routable,)
@@ -112,24 +114,24 @@ class MoDConfig:
             raise ValueError("padding cannot be routable: it never counts toward k")
         self.routable = tuple(t.name.lower() for t in parsed)
         if self.router not in ROUTERS:
-            raise ValueError(f"router must be one of {ROUTERS}, got {self.router!r}")
+            raise ValueError(f"router must be one of {ROUTERS}, got {brief(self.router)}")
         if self.gate not in GATES:
-            raise ValueError(f"gate must be one of {GATES}, got {self.gate!r}")
+            raise ValueError(f"gate must be one of {GATES}, got {brief(self.gate)}")
         if self.capacity_schedule not in CAPACITY_SCHEDULES:
             raise ValueError(
-                f"capacity_schedule must be one of {CAPACITY_SCHEDULES}, got {self.capacity_schedule!r}"
+                f"capacity_schedule must be one of {CAPACITY_SCHEDULES}, got {brief(self.capacity_schedule)}"
             )
         if self.aux_loss not in AUX_LOSSES:
-            raise ValueError(f"aux_loss must be one of {AUX_LOSSES}, got {self.aux_loss!r}")
+            raise ValueError(f"aux_loss must be one of {AUX_LOSSES}, got {brief(self.aux_loss)}")
         if not isinstance(self.share_router, bool):
-            raise ValueError(f"share_router must be true or false, got {self.share_router!r}")
+            raise ValueError(f"share_router must be true or false, got {brief(self.share_router)}")
         for name in ("gate_alpha", "aux_loss_weight"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+                raise ValueError(f"{name} must be a finite number >= 0, got {brief(value)}")
             setattr(self, name, float(value))
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+            raise ValueError(f"seed must be an integer or None, got {brief(self.seed)}")
 
     @property
     def routable_types(self) -> tuple[TokenType, ...]:

@@ -1,6 +1,23 @@
-"""Errors shared across vlmod; imported by everything, importing nothing of vlmod."""
+"""Errors shared across vlmod, and `brief`, how a message echoes a bad value; imported by everything,
+importing nothing of vlmod."""
 
 from __future__ import annotations
+
+import reprlib
+from typing import Any
+
+_BRIEF = reprlib.Repr()
+_BRIEF.maxstring = _BRIEF.maxother = 80
+_BRIEF.maxlist = _BRIEF.maxtuple = _BRIEF.maxdict = _BRIEF.maxset = 6
+_BRIEF.maxlevel = 2
+
+
+def brief(value: Any) -> str:
+    """`repr(value)` for an error message, bounded: a value read from a config file can be huge (a
+    YAML alias bomb is billions of items), and a message must stay one short line. Small values
+    read exactly as `repr` gives them."""
+    text = _BRIEF.repr(value)  # reprlib stops early: never the whole value
+    return text if len(text) <= 100 else text[:97] + "..."
 
 
 class InputError(ValueError):
@@ -15,4 +32,4 @@ class TrainError(InputError):
     key, a model that is not LLaVA). The command reports it as one `error:` line."""
 
 
-__all__ = ["InputError", "TrainError"]
+__all__ = ["InputError", "TrainError", "brief"]

@@ -302,3 +302,14 @@ def test_cosine_schedule_single_layer_is_constant():
 def test_cosine_schedule_full_capacity_stays_full():
     caps = layer_capacities(1.0, list(range(6)), 6, "cosine")
     assert all(v == pytest.approx(1.0) for v in caps.values())
+
+
+def test_an_error_echoes_a_huge_value_briefly() -> None:
+    """A bad value echoed in an error stays one short line however large it is (a config file's
+    YAML aliases can stand for billions of items); small values read as repr gives them."""
+    nested = [[list(range(1000))] * 1000] * 1000  # shared lists: a billion items, little memory
+    with pytest.raises(ValueError) as err:
+        MoDConfig(capacity=nested)
+    assert len(str(err.value)) < 200
+    with pytest.raises(ValueError, match=r"got 'half'"):
+        MoDConfig(capacity="half")

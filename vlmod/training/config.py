@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from vlmod.config import DTYPES, MoDConfig
-from vlmod.errors import TrainError
+from vlmod.errors import TrainError, brief
 from vlmod.io.files import read_yaml_mapping
 
 TRAINABLE = ("router", "language", "lora", "full")
@@ -112,14 +112,14 @@ class TrainConfig:
         }
         for key, (value, valid) in choices.items():
             if value not in valid:
-                raise TrainError(f"{key} must be one of {', '.join(valid)}; got {value!r}")
+                raise TrainError(f"{key} must be one of {', '.join(valid)}; got {brief(value)}")
         if self.lr is None:
             self.lr = ROUTER_ONLY_LR if self.trainable == "router" else LR
         if isinstance(self.report_to, str):
             self.report_to = [self.report_to]
         for tracker in self.report_to:
             if tracker not in TRACKERS:
-                raise TrainError(f"report_to: unknown tracker {tracker!r}; accelerate knows {', '.join(TRACKERS)}")
+                raise TrainError(f"report_to: unknown tracker {brief(tracker)}; accelerate knows {', '.join(TRACKERS)}")
         positive = {
             "lr": self.lr, "batch_size": self.batch_size, "epochs": self.epochs,
             "gradient_accumulation_steps": self.gradient_accumulation_steps, "lora_r": self.lora_r,
@@ -131,7 +131,7 @@ class TrainConfig:
             raise TrainError(f"distill_weight must be a finite number >= 0, got {self.distill_weight}")
         for c in self.capacities or []:
             if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0.0 < c <= 1.0:
-                raise TrainError(f"capacities must be numbers in (0, 1], got {self.capacities!r}")
+                raise TrainError(f"capacities must be numbers in (0, 1], got {brief(self.capacities)}")
         if self.max_steps is not None and self.max_steps < 1:
             raise TrainError(f"max_steps must be >= 1 (or left out to train by epochs), got {self.max_steps}")
         for key in ("save_steps", "eval_steps", "log_steps", "num_workers", "warmup", "weight_decay", "capacity_warmup"):
@@ -211,7 +211,7 @@ def _typed(key: str, value: Any, annotation: str) -> Any:
             return value
     except (TypeError, ValueError):
         pass
-    raise TrainError(f"{key} must be {annotation.replace(' | None', ' or empty')}, got {value!r}")
+    raise TrainError(f"{key} must be {annotation.replace(' | None', ' or empty')}, got {brief(value)}")
 
 
 __all__ = [
