@@ -239,9 +239,13 @@ def scale_check(
             bar.write(f"{ckpt} exists: reusing it (delete it to build again)")
             continue
         argv, during = plans[stage]
+        started = time.time()
         seconds, peak, rc, note = run_measured(argv, logs / f"{stage}.log", env, during)
         if stage == "demo" and rc in (-15, 143):  # stopped by us after its request: that is success
             rc = 0
+        if stage == "lmms" and rc == 0 and not _written_since(root / "lmms", "*_results.json", started):
+            # lmms-eval logs an error inside an evaluation and still exits 0: only its results file says it ran.
+            rc, note = 1, f"lmms-eval wrote no results: see {logs / 'lmms.log'}"
         if stage in REFUSALS:  # a refusal in one line is the expected result; a start is not
             refusal = _error_line(logs / f"{stage}.log")
             rc, note = (0, f"refused: {refusal}") if rc == 2 and refusal else (rc or 1, "did not refuse")
@@ -253,6 +257,10 @@ def scale_check(
         if stage.startswith("finetune") and not keep:
             shutil.rmtree(root / f"ft-{stage.split('-')[1]}", ignore_errors=True)
     return rows
+
+
+def _written_since(folder: Path, pattern: str, since: float) -> bool:
+    return any(p.stat().st_mtime >= since for p in folder.rglob(pattern)) if folder.is_dir() else False
 
 
 def _error_line(log: Path) -> str | None:
