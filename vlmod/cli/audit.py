@@ -11,12 +11,11 @@ import torch
 
 from vlmod.api import mod_layers
 from vlmod.cli.argtypes import add_dtype_argument, device, option, positive_int
-from vlmod.cli.common import MODEL_FLAG, SubParsers
+from vlmod.cli.common import MODEL_FLAG, SubParsers, write_json_result
 from vlmod.data import DataError
 from vlmod.errors import InputError
 from vlmod.evaluation.audit import AUDIT_ROUTERS, audit, format_report, plot
 from vlmod.evaluation.evaluate import check_checkpoint
-from vlmod.io.files import write_json
 from vlmod.io.paths import check_output_dir, check_output_file
 
 
@@ -117,9 +116,7 @@ def _run_audit(args: argparse.Namespace) -> int:
     if args.plots:
         report["plots"] = [str(p) for p in plot(report["routing"], args.plots)]
     print(format_report(report))
-    if args.json:
-        write_json(args.json, report)
-        print(f"wrote {args.json}")
+    write_json_result(args.json, report)
     for path in report.get("plots", []):
         print(f"wrote {path}")
     return 0

@@ -19,8 +19,7 @@ from vlmod.bench import (
     format_vit_result,
 )
 from vlmod.cli.argtypes import non_negative_int, option, positive_int
-from vlmod.cli.common import MODEL_FLAG, SubParsers, capacity, layers
-from vlmod.io.files import write_json
+from vlmod.cli.common import MODEL_FLAG, SubParsers, capacity, layers, write_json_result
 
 
 def add_bench_vit_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
@@ -89,9 +88,7 @@ def run_bench_vit(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
     )
     print(format_vit_result(result))
-    if args.json:
-        write_json(args.json, result)
-        print(f"wrote {args.json}")
+    write_json_result(args.json, result)
     return 0
 
 
@@ -156,9 +153,7 @@ def run_bench_llava(args: argparse.Namespace) -> int:
         progress=not args.no_progress, cache=args.cache, decode_bound=args.decode_bound,
     )
     print(format_generation_result(result))
-    if args.json:
-        write_json(args.json, result)
-        print(f"wrote {args.json}")
+    write_json_result(args.json, result)
     return 0
 
 
@@ -206,9 +201,7 @@ def run_bench_video(args: argparse.Namespace) -> int:
         decode_bound=args.decode_bound,
     )
     print(format_video_result(result))
-    if args.json:
-        write_json(args.json, result)
-        print(f"wrote {args.json}")
+    write_json_result(args.json, result)
     return 0
 
 

@@ -42,4 +42,13 @@ def layers(text: str) -> str | list[int]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-__all__ = ["EXIT_USAGE", "MODEL_FLAG", "SubParsers", "UsageError", "capacity", "layers"]
+def write_json_result(path: str | None, data: Any) -> None:
+    """`--json PATH`: write the command's result there and say so (nothing without the flag)."""
+    if path:
+        from vlmod.io.files import write_json
+
+        write_json(path, data)
+        print(f"wrote {path}")
+
+
+__all__ = ["EXIT_USAGE", "MODEL_FLAG", "SubParsers", "UsageError", "capacity", "layers", "write_json_result"]

@@ -10,9 +10,8 @@ import torch
 
 from vlmod.api import set_capacity
 from vlmod.cli.argtypes import add_dtype_argument, device, fraction, option, positive_int
-from vlmod.cli.common import SubParsers
+from vlmod.cli.common import SubParsers, write_json_result
 from vlmod.evaluation import evaluate as ev  # looked up at call time: a test may replace a function
-from vlmod.io.files import write_json
 from vlmod.io.paths import check_output_file
 
 
@@ -80,9 +79,7 @@ def run_evaluate(args: argparse.Namespace) -> int:
     print(ev.format_comparison(reports))
     if len(reports) == 2:
         print(ev.paired_gap_line(*reports))
-    if args.json:
-        write_json(args.json, {"data": str(args.data), "reports": [r.to_dict() for r in reports]})
-        print(f"wrote {args.json}")
+    write_json_result(args.json, {"data": str(args.data), "reports": [r.to_dict() for r in reports]})
     return 0
 
 
