@@ -225,3 +225,46 @@ def test_peak_memory_sees_a_transient_allocation():
         return (a * 2).sum()
 
     assert peak_memory_bytes(work) >= 8 * 2**20
+
+
+def test_bench_runs_in_the_dtype_asked_and_says_where(tmp_path, capsys):
+    """`--dtype bfloat16` builds the preset in bfloat16 (the inputs follow it), and the result says
+    which device and dtype its figures come from."""
+    out = tmp_path / "bench.json"
+    argv = ["bench", "llava", "--preset", "tiny", "--dtype", "bfloat16", "--new-tokens", "2", "--json", str(out), *FAST]
+    assert main(argv) == 0
+    assert "cpu bfloat16, torch" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert (result["device"], result["dtype"]) == ("cpu", "bfloat16")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_bench_device_cuda_without_a_gpu_is_one_error_line(capsys):
+    assert main(["bench", "llava", "--preset", "tiny", "--device", "cuda"]) == 2
+    _one_error_line(capsys, "--device cuda: this machine has no CUDA GPU torch can use; use cpu")
+
+
+def test_full_presets_are_the_real_7b_shapes_in_bfloat16():
+    """The -full presets build the real models straight on the device in bfloat16 (here the meta
+    device: shapes only, no memory)."""
+    from vlmod.bench.generation import LLAVA_PRESETS, build_preset
+    from vlmod.bench.video import VIDEO_PRESETS
+
+    for preset, presets in (("llava-1.5-7b-full", LLAVA_PRESETS), ("llava-next-video-7b-full", VIDEO_PRESETS)):
+        model, processor, _ = build_preset(preset, presets, device="meta")
+        text = model.config.text_config
+        assert (text.hidden_size, text.num_hidden_layers, model.config.vision_config.image_size) == (4096, 32, 336)
+        assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+        assert {p.device.type for p in model.parameters()} == {"meta"}
+
+
+def test_gpu_timings_are_judged_by_spread_alone(monkeypatch):
+    """On a GPU the host's CPU accounting says nothing of the kernels' time: every repeat counts,
+    and only the spread can flag the figures."""
+    monkeypatch.setattr("vlmod.bench.timing.available_cores", lambda: 2)
+    wall = [1.0, 1.0, 1.0, 1.0]
+    busy = {n: _timings(wall, wall, [1.5] * 4) for n in ("a", "b")}
+    for t in busy.values():
+        t.gpu = True
+    judged = contention(busy)
+    assert not judged.contended and judged.others_cores is None and judged.clean_repeats == [0, 1, 2, 3]

@@ -27,9 +27,10 @@ from vlmod.bench.decode import (
     shared_copy,
     timed_lockstep,
 )
-from vlmod.bench.inputs import parse_layers, prompt_text, synthetic_image
+from vlmod.bench.inputs import on_device, parse_layers, prompt_text, synthetic_image
 from vlmod.bench.timing import (
     contention,
+    describe_device,
     keeps_threads,
     load_average,
     peak_memory_bytes,
@@ -51,21 +52,37 @@ TINY_SHAPES: dict[str, Any] = dict(
 )
 LLAVA_PRESETS: dict[str, dict[str, Any]] = {
     "llava-1.5": dict(family="llava", **CPU_7B_SHAPES, prompt_tokens=60),
+    # The real model (`vlmod.models.scale`): width 4096, the CLIP-L/336 tower, bfloat16; for a GPU.
+    "llava-1.5-7b-full": dict(shape="llava-1.5-7b", prompt_tokens=60),
     "tiny": dict(family="llava", **TINY_SHAPES),
 }
 DEFAULT_CAPACITY = 0.5
 DEFAULT_LAYERS = "every_other"
-def build_preset(preset: str | None, presets: Mapping[str, Mapping[str, Any]]) -> tuple[nn.Module, Any, int]:
-    """(model, processor, prompt words) of a preset built from config with random weights."""
-    from vlmod.models import tiny
+
+
+def build_preset(
+    preset: str | None,
+    presets: Mapping[str, Mapping[str, Any]],
+    device: str | torch.device = "cpu",
+    dtype: str | torch.dtype | None = None,
+) -> tuple[nn.Module, Any, int]:
+    """(model, processor, prompt words) of a preset built from config with random weights, on
+    `device`. dtype None or "auto": float32 for the small presets, bfloat16 for the real 7B shapes
+    (built straight on `device` in that dtype: a float32 7B would not fit where a bf16 one runs)."""
+    from vlmod.io.hf import torch_dtype
+    from vlmod.models import scale, tiny
 
     if preset not in presets:
         raise InputError(f"unknown preset {preset!r}; choose one of {sorted(presets)}")
     settings = dict(presets[preset])
     prompt = settings.pop("prompt_tokens")
-    family = settings.pop("family")
-    built, processor = tiny.build(family, **settings)
-    return built, processor, prompt
+    wanted = torch_dtype(dtype)
+    if "shape" in settings:
+        wanted = torch.bfloat16 if wanted == "auto" else wanted
+        built, processor = scale.build_model(settings["shape"], dtype=wanted, device=device)
+        return built, processor, prompt
+    built, processor = tiny.build(settings.pop("family"), **settings)
+    return built.to(device=device, dtype=None if wanted == "auto" else wanted), processor, prompt
 
 
 def build_pair(
@@ -75,6 +92,8 @@ def build_pair(
     capacity: float | None,
     layers: str | Sequence[int] | None,
     default_layers: Any = DEFAULT_LAYERS,
+    device: str | torch.device = "cpu",
+    dtype: str | torch.dtype | None = None,
 ) -> tuple[nn.Module, nn.Module, Any, int, str]:
     """(dense, mod, processor, prompt words, where the MoD layers come from).
 
@@ -82,11 +101,12 @@ def build_pair(
     the same weights loaded dense (routers dropped); asking for other layers or capacities then is
     an error rather than a silent reconversion. A plain checkpoint or a preset is converted with
     `capacity` and `layers` (defaults when None); `default_layers` may be a function of the number
-    of language layers.
+    of language layers. device, dtype: where both models run and in what dtype (None or "auto": the
+    checkpoint's own, or the preset's, `build_preset`).
     """
     words = 60
     if model is not None:
-        from vlmod.io.hf import load_config, load_vlm, part_configs, vlm_class
+        from vlmod.io.hf import load_config, load_vlm, loading_kwargs, part_configs, vlm_class
 
         vlm_class(model, InputError, "bench measures")  # a missing or foreign checkpoint: one line
         settings = getattr(load_config(model), "vlmod", None)
@@ -96,13 +116,15 @@ def build_pair(
                 f"{model} is already converted to MoD ({parts}); drop --capacity / --layers to measure it "
                 "as saved, or give the plain checkpoint to convert it otherwise"
             )
-        mod, processor = load_vlm(model, InputError, "bench measures", converted=True)
+        mod, processor = load_vlm(
+            model, InputError, "bench measures", converted=True, **loading_kwargs(dtype or "auto", device)
+        )
         if vlmod.mod_layers(mod):
             dense = vlmod.remove_mod(shared_copy(mod))
             return dense.eval(), mod.eval(), processor, words, "the checkpoint's own MoD layers"
         dense = mod.eval()
     else:
-        dense, processor, words = build_preset(preset, presets)
+        dense, processor, words = build_preset(preset, presets, device, dtype)
     if layers is None:
         layers = default_layers(dense.config.text_config.num_hidden_layers) if callable(default_layers) else default_layers
     capacity = DEFAULT_CAPACITY if capacity is None else capacity
@@ -129,9 +151,10 @@ def bench_generation(
     """Prefill latency, decode per step, KV-cache bytes, peak memory of generate and FLOPs of a
     dense LLaVA model and its MoD conversion on the same processed inputs (runs interleaved), both
     with a KV cache of kind `cache` (`CACHES`); `decode_bound` adds `routing_bypassed(mod)` to the
-    lockstep decode."""
+    lockstep decode. The models and inputs are on one device; on a GPU every timing waits for it."""
     from transformers import LogitsProcessorList
 
+    device = inputs["input_ids"].device
     batch = inputs["input_ids"].shape[0]
     flops, kv = generation_footprint(dense, mod, inputs)
     models = {"dense": dense, "mod": mod}
@@ -139,7 +162,7 @@ def bench_generation(
     prefill = time_interleaved(
         {n: (lambda m=m: m(**inputs, **cache_kwargs(m, cache, new_tokens), use_cache=True, logits_to_keep=1))
          for n, m in models.items()},
-        warmup=warmup, repeats=repeats, progress="prefill dense/MoD" if progress else None,
+        warmup=warmup, repeats=repeats, progress="prefill dense/MoD" if progress else None, device=device,
     )
     clocks = {name: StepClock() for name in models}
 
@@ -150,13 +173,13 @@ def bench_generation(
 
     timings = time_interleaved(
         {n: (lambda n=n: generate(n)) for n in models},
-        warmup=warmup, repeats=repeats, progress="generate dense/MoD" if progress else None,
+        warmup=warmup, repeats=repeats, progress="generate dense/MoD" if progress else None, device=device,
     )
     prefill_judged = contention(prefill)
     decode, decode_judged, paired = decode_figures(clocks, timings, repeats, batch)
     lockstep = timed_lockstep(models, inputs, new_tokens * repeats, cache, decode_bound) if new_tokens > 1 else None
     peaks = {
-        n: peak_memory_bytes(lambda m=m: m.generate(**inputs, **gen, **cache_kwargs(m, cache, new_tokens)))
+        n: peak_memory_bytes(lambda m=m: m.generate(**inputs, **gen, **cache_kwargs(m, cache, new_tokens)), device)
         for n, m in models.items()
     }
     result: dict[str, Any] = {}
@@ -177,8 +200,11 @@ def bench_generation(
         repeats=repeats,
         warmup=warmup,
         cache=cache,
+        device=describe_device(device),
+        dtype=str(next(dense.parameters()).dtype).removeprefix("torch."),
     )
     return result
+
 
 
 def model_figures(
@@ -256,6 +282,8 @@ def bench_llava(
     progress: bool = True,
     cache: str = DEFAULT_CACHE,
     decode_bound: bool = False,
+    device: str | torch.device = "cpu",
+    dtype: str | torch.dtype | None = None,
 ) -> dict[str, Any]:
     """Dense vs MoD generation of a LLaVA model on synthetic images and a prompt.
 
@@ -263,7 +291,8 @@ def bench_llava(
     layer). A checkpoint saved converted is measured with its own MoD layers (see `build_pair`).
     cache: the KV cache both models generate with (`CACHES`). threads: torch's intra-op threads
     while the benchmark runs (the caller's count is restored afterwards). decode_bound: also decode
-    in lockstep with MoD's routing bypassed (`routing_bypassed`).
+    in lockstep with MoD's routing bypassed (`routing_bypassed`). device, dtype: where the models
+    run and in what dtype (None: the checkpoint's or the preset's own, see `build_preset`).
     """
     try:
         if capacity is not None or layers is not None:
@@ -279,12 +308,15 @@ def bench_llava(
         num_threads = set_threads(threads)
     except ValueError as e:
         raise InputError(str(e)) from e
-    dense, mod, processor, words, mod_source = build_pair(model, preset, LLAVA_PRESETS, capacity, layers)
+    dense, mod, processor, words, mod_source = build_pair(
+        model, preset, LLAVA_PRESETS, capacity, layers, device=device, dtype=dtype
+    )
     size = dense.config.vision_config.image_size
     conversation = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt_text(words)}]}]
     text = processor.apply_chat_template(conversation, add_generation_prompt=True)
-    inputs = dict(
-        processor(images=[synthetic_image(size, i) for i in range(batch)], text=[text] * batch, return_tensors="pt", padding=True)
+    inputs = on_device(
+        processor(images=[synthetic_image(size, i) for i in range(batch)], text=[text] * batch, return_tensors="pt", padding=True),
+        dense,
     )
     tokenizer = getattr(processor, "tokenizer", processor)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)

@@ -27,6 +27,16 @@ def parse_layers(spec: str | Sequence[int]) -> str | list[int]:
     return layers
 
 
+def on_device(inputs: Any, model: Any) -> dict[str, Any]:
+    """A processor's output as `model` takes it: every tensor on the model's device, floating ones
+    (pixels) in its dtype."""
+    param = next(model.parameters())
+    return {
+        k: v.to(param.device, param.dtype if v.is_floating_point() else None) if hasattr(v, "to") else v
+        for k, v in dict(inputs).items()
+    }
+
+
 def synthetic_image(size: int = 336, seed: int = 0) -> Any:
     """A deterministic RGB test picture: coloured shapes on a gradient."""
     import numpy as np

@@ -18,6 +18,15 @@ def _threads(n: int) -> str:
     return f"{n} thread{'' if n == 1 else 's'}"
 
 
+def _machine(result: Mapping[str, Any]) -> str:
+    """Where the figures come from: "cpu float32, torch 2.14.1, 2 threads" or "cuda:0 (NVIDIA H100
+    80GB HBM3) bfloat16, torch 2.11.0" (a GPU's host threads do not matter)."""
+    device = result.get("device", "cpu")
+    where = " ".join(x for x in (device, result.get("dtype")) if x)
+    threads = "" if not device.startswith("cpu") else f", {_threads(result['threads'])}"
+    return f"{where}, torch {result['torch']}{threads}"
+
+
 def describe_layers(mod_layers: Mapping[str, float]) -> str:
     """{"language:3": 0.5, ...} -> "language 2-30 at capacity 0.5" (per part, runs of indices
     collapsed, several capacities listed as a range)."""
@@ -69,7 +78,7 @@ def format_vit_result(result: Mapping[str, Any]) -> str:
         f"{result['image_size'][0]}x{result['image_size'][1]}, capacity {result['capacity']:g} on "
         f"{len(result['mod_layers'])} MoD layers ({layers}: "
         f"{'/'.join(f'{c:g}' for c in counts)} of {result['tokens']} tokens), "
-        f"torch {result['torch']}, {_threads(result['threads'])}, "
+        f"{_machine(result)}, "
         f"median of {len(result['timed_repeats'])}/{result['repeats']} repeats"
     )
     table = format_table(["model", "images/s", "latency ms", "GFLOPs/image"], rows)
@@ -157,7 +166,7 @@ def format_generation_result(result: Mapping[str, Any]) -> str:
         f"{result['model']}: batch {result['batch']}, {result['image_tokens']} vision + "
         f"{result['prompt_tokens']} text tokens, MoD: {describe_layers(result['mod_layers'])} "
         f"({result['mod_source']}), {result['new_tokens']} new tokens, {result.get('cache', 'dynamic')} KV cache, "
-        f"torch {result['torch']}, {_threads(result['threads'])}"
+        f"{_machine(result)}"
     )
     table = format_table(
         ["model", "prefill ms", "decode ms/step", "decode tok/s", "KV cache MiB", "peak MiB", "GFLOPs/seq"], rows
@@ -196,7 +205,7 @@ def format_video_result(result: Mapping[str, Any]) -> str:
         f"{result['video_tokens']} video + {result['prompt_tokens']} text tokens per sequence, "
         f"MoD: {describe_layers(result['mod_layers'])} of {result['language_layers']} language layers "
         f"({result['mod_source']}), {result['new_tokens']} new tokens, {result.get('cache', 'dynamic')} KV cache, "
-        f"torch {result['torch']}, {_threads(result['threads'])}, median of {len(result['timed_repeats']['end_to_end'])}/"
+        f"{_machine(result)}, median of {len(result['timed_repeats']['end_to_end'])}/"
         f"{result['repeats']} repeats"
     )
     table = format_table(

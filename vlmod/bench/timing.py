@@ -14,6 +14,10 @@ Two signals say whether a benchmark had the CPU it asked for:
 `/proc/stat` counts in clock ticks (10 ms), too coarse for one millisecond call, so repeats are
 judged one by one only when they are long enough (`MIN_JUDGED_S`); shorter ones are judged
 together. Where there is no `/proc/stat`, CPU time / wall time is the fallback.
+
+On a GPU each timed call ends with a device synchronize (the kernels it queued are part of its
+time), and only the spread judges the samples: the host's CPU accounting says nothing of the
+GPU's, and a process waiting on its kernels looks idle to it.
 """
 
 from __future__ import annotations
@@ -73,6 +77,7 @@ class Timings:
     cpu_s: list[float] = field(default_factory=list)
     others_cpu_s: list[float | None] = field(default_factory=list)
     threads: int = 1
+    gpu: bool = False  # timed on a GPU: judged by spread alone
 
     @property
     def utilization(self) -> list[float]:
@@ -97,11 +102,25 @@ def spread(samples: Sequence[float]) -> float:
     return statistics.median(abs(s - mid) for s in samples) / mid
 
 
+def synchronize(device: torch.device | str | None) -> None:
+    """Wait for the kernels queued on `device` (a no-op on the CPU, whose ops finish in the call)."""
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def describe_device(device: torch.device) -> str:
+    """"cpu", or the GPU's name ("cuda:0 (NVIDIA H100 80GB HBM3)"): which machine a figure is from."""
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return str(device)
+
+
 def time_interleaved(
     fns: Mapping[str, Callable[[], Any]],
     warmup: int = 3,
     repeats: int = 10,
     progress: str | None = None,
+    device: torch.device | str | None = None,
 ) -> dict[str, Timings]:
     """Time each function in `fns` `repeats` times, under `torch.inference_mode`.
 
@@ -113,6 +132,7 @@ def time_interleaved(
 
     warmup: untimed calls of each function first (allocator, oneDNN kernel selection, caches).
     progress: a tqdm description, or None for no progress bar.
+    device: where the functions run; a CUDA device is synchronized before and after each timed call.
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
@@ -120,11 +140,13 @@ def time_interleaved(
         raise ValueError(f"warmup must be >= 0, got {warmup}")
     names = list(fns)
     threads = torch.get_num_threads()
-    timings = {name: Timings(threads=threads) for name in names}
+    gpu = device is not None and torch.device(device).type == "cuda"
+    timings = {name: Timings(threads=threads, gpu=gpu) for name in names}
     with torch.inference_mode():
         for _ in range(warmup):
             for name in names:
                 fns[name]()
+        synchronize(device)
         steps: Any = range(repeats)
         if progress is not None:
             from tqdm.auto import tqdm
@@ -136,6 +158,7 @@ def time_interleaved(
                 cpu = time.process_time()
                 wall = time.perf_counter()
                 fns[name]()
+                synchronize(device)
                 wall = time.perf_counter() - wall
                 cpu = time.process_time() - cpu
                 busy_after = _busy_seconds()
@@ -190,7 +213,10 @@ def contention(
     budget = max(available_cores() - threads, 0) + SLACK_CORES
     per_rep = [_repeat_others(timings, r) for r in range(repeats)]
     total_wall = sum(w for _, w in per_rep)
-    if all(o is not None for o, _ in per_rep) and total_wall > 0:
+    if any(t.gpu for t in timings.values()):
+        clean = list(range(repeats))
+        others_cores = None
+    elif all(o is not None for o, _ in per_rep) and total_wall > 0:
         mean_others = sum(o * w for o, w in per_rep) / total_wall  # type: ignore[operator]
         if total_wall / max(repeats, 1) >= MIN_JUDGED_S:
             clean = [r for r, (o, _) in enumerate(per_rep) if o <= budget]  # type: ignore[operator]

@@ -34,9 +34,10 @@ from vlmod.bench.generation import (
     prompt_counts,
     speedups,
 )
-from vlmod.bench.inputs import parse_layers, prompt_text, synthetic_clip
+from vlmod.bench.inputs import on_device, parse_layers, prompt_text, synthetic_clip
 from vlmod.bench.timing import (
     contention,
+    describe_device,
     keeps_threads,
     load_average,
     peak_memory_bytes,
@@ -49,9 +50,11 @@ from vlmod.errors import InputError
 # per frame) pooled 2 x 2 (spatial_pool_stride=2) to 144 tokens per frame, a ~40-token prompt,
 # 32 decoder layers with Llama's MLP ratio 11008/4096, at a width that runs on a laptop CPU (8
 # frames: a prefill of ~1190 tokens in a few seconds). The vision tower is kept small, as in the
-# LLaVA preset. "tiny" and "tiny-onevision" are for tests (seconds to build and run).
+# LLaVA preset. "-full" is the real model (width 4096, the CLIP-L/336 tower, bfloat16; for a GPU).
+# "tiny" and "tiny-onevision" are for tests (seconds to build and run).
 VIDEO_PRESETS: dict[str, dict[str, Any]] = {
     "llava-next-video-7b": dict(family="llava_next_video", **CPU_7B_SHAPES, prompt_tokens=35),
+    "llava-next-video-7b-full": dict(shape="llava-next-video-7b", prompt_tokens=35),
     "tiny": dict(family="llava_next_video", **TINY_SHAPES),
     "tiny-onevision": dict(family="llava_onevision", **TINY_SHAPES),
 }
@@ -114,6 +117,8 @@ def bench_video(
     progress: bool = True,
     cache: str = DEFAULT_CACHE,
     decode_bound: bool = False,
+    device: str | torch.device = "cpu",
+    dtype: str | torch.dtype | None = None,
 ) -> dict[str, Any]:
     """Dense vs MoD video question answering, end to end.
 
@@ -129,6 +134,8 @@ def bench_video(
     cache: the KV cache both models generate with (`vlmod.bench.decode.CACHES`). threads: torch's
     intra-op threads while the benchmark runs (the caller's count is restored afterwards).
     decode_bound: also decode in lockstep with MoD's routing bypassed (`routing_bypassed`).
+    device, dtype: where the models run and in what dtype (None: the checkpoint's or the preset's
+    own); frames are decoded and preprocessed on the CPU, as a user's pipeline does.
     """
     try:
         if capacity is not None or layers is not None:
@@ -157,7 +164,8 @@ def bench_video(
         if model is not None:
             _check_video_checkpoint(model)
         dense, mod, processor, words, mod_source = build_pair(
-            model, preset, VIDEO_PRESETS, capacity, layers, default_layers=default_video_layers
+            model, preset, VIDEO_PRESETS, capacity, layers, default_layers=default_video_layers, device=device,
+            dtype=dtype,
         )
         if model is not None:
             words = VIDEO_PROMPT_WORDS
@@ -210,11 +218,10 @@ def _time_video(
     conversation = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": prompt_text(words)}]}]
     text = processor.apply_chat_template(conversation, add_generation_prompt=True)
     num_frames = len(clip.frames)
-    dtype = next(dense.parameters()).dtype
+    device = next(dense.parameters()).device
 
     def preprocess(videos: list[Any]) -> dict[str, Any]:
-        out = processor(videos=videos, text=[text] * batch, return_tensors="pt", padding=True)
-        return {k: v.to(dtype) if v.is_floating_point() else v for k, v in out.items()}
+        return on_device(processor(videos=videos, text=[text] * batch, return_tensors="pt", padding=True), dense)
 
     inputs = preprocess([clip.frames] * batch)
     flops, kv = generation_footprint(dense, mod, inputs)
@@ -244,18 +251,18 @@ def _time_video(
     prefill = time_interleaved(
         {n: (lambda m=m: m(**inputs, **cache_kwargs(m, cache, new_tokens), use_cache=True, logits_to_keep=1))
          for n, m in models.items()},
-        warmup=warmup, repeats=repeats, progress="prefill dense/MoD" if progress else None,
+        warmup=warmup, repeats=repeats, progress="prefill dense/MoD" if progress else None, device=device,
     )
     end_to_end = time_interleaved(
         {n: (lambda n=n: pipeline(n)) for n in models},
-        warmup=warmup, repeats=repeats, progress="end to end dense/MoD" if progress else None,
+        warmup=warmup, repeats=repeats, progress="end to end dense/MoD" if progress else None, device=device,
     )
     prefill_judged = contention(prefill)
     decode, e2e_judged, paired = decode_figures(clocks, end_to_end, repeats, batch)
     lockstep = timed_lockstep(models, inputs, new_tokens * repeats, cache, decode_bound) if new_tokens > 1 else None
     used = e2e_judged.clean_repeats
     peaks = {
-        n: peak_memory_bytes(lambda m=m: m.generate(**inputs, **gen, **cache_kwargs(m, cache, new_tokens)))
+        n: peak_memory_bytes(lambda m=m: m.generate(**inputs, **gen, **cache_kwargs(m, cache, new_tokens)), device)
         for n, m in models.items()
     }
     result: dict[str, Any] = {}
@@ -283,6 +290,8 @@ def _time_video(
         decode_speedup_paired=paired,
         decode_only_frames_per_s=num_frames / decode_video.median(),
         decode_only_s=decode_video.median(),
+        device=describe_device(device),
+        dtype=str(next(dense.parameters()).dtype).removeprefix("torch."),
         contended=prefill_judged.contended or e2e_judged.contended,
         contention={"prefill": prefill_judged.as_dict(), "end to end and decode": e2e_judged.as_dict()},
         timed_repeats={"prefill": prefill_judged.clean_repeats, "end_to_end": used},

@@ -13,7 +13,14 @@ from torch import nn
 
 import vlmod
 from vlmod.bench.inputs import parse_layers
-from vlmod.bench.timing import contention, keeps_threads, load_average, set_threads, time_interleaved
+from vlmod.bench.timing import (
+    contention,
+    describe_device,
+    keeps_threads,
+    load_average,
+    set_threads,
+    time_interleaved,
+)
 from vlmod.errors import InputError
 from vlmod.tools.flops import ViTDims, processed_counts, vit_flops
 
@@ -82,14 +89,19 @@ def bench_vit(
     threads: int | None = None,
     seed: int = 0,
     progress: bool = True,
+    device: str | torch.device = "cpu",
+    dtype: str | torch.dtype | None = None,
 ) -> dict[str, Any]:
     """Images/s of a dense ViT and of its MoD conversion on one random batch, against the FLOPs
     prediction.
 
     The MoD copy is `vlmod.apply_mod(copy.deepcopy(dense), MoDConfig(capacity, layers))` with its
     fresh zero router: routing cost does not depend on the router's weights, and the trace gives
-    the token counts actually processed at each MoD layer. Returns a JSON-able dict.
+    the token counts actually processed at each MoD layer. device, dtype: where both run and in
+    what dtype (None or "auto": float32, the random weights' own). Returns a JSON-able dict.
     """
+    from vlmod.io.hf import torch_dtype
+
     try:
         # Validate the cheap inputs before building a model.
         config = vlmod.MoDConfig(capacity=capacity, layers=parse_layers(layers))
@@ -100,8 +112,10 @@ def bench_vit(
         if repeats < 1 or warmup < 0:
             raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
         num_threads = set_threads(threads)
+        wanted = torch_dtype(dtype)
+        wanted = torch.float32 if wanted == "auto" else wanted
         torch.manual_seed(seed)
-        dense = build_vit(model_name, source, image_size)
+        dense = build_vit(model_name, source, image_size).to(device=device, dtype=wanted)
         _check_image_size(dense, source, model_name)
         mod = vlmod.apply_mod(copy.deepcopy(dense), config)
     except (ValueError, TypeError) as e:
@@ -109,7 +123,7 @@ def bench_vit(
 
     channels, height, width = _input_size(dense, source)
     generator = torch.Generator().manual_seed(seed)
-    images = torch.randn(batch, channels, height, width, generator=generator)
+    images = torch.randn(batch, channels, height, width, generator=generator).to(device=device, dtype=wanted)
 
     with torch.inference_mode(), vlmod.trace_routing(mod) as trace:
         mod(images)
@@ -124,6 +138,7 @@ def bench_vit(
         warmup=warmup,
         repeats=repeats,
         progress=f"{model_name} dense/MoD" if progress else None,
+        device=device,
     )
     judged = contention(timings)
     used = judged.clean_repeats
@@ -170,6 +185,8 @@ def bench_vit(
         "timed_repeats": used,
         "contended": judged.contended,
         "contention": {"timing": judged.as_dict()},
+        "device": describe_device(images.device),
+        "dtype": str(wanted).removeprefix("torch."),
         "torch": torch.__version__,
         "threads": num_threads,
         "load_average": {"before": load_before, "after": load_average()},

@@ -18,7 +18,7 @@ from vlmod.bench import (
     format_video_result,
     format_vit_result,
 )
-from vlmod.cli.argtypes import non_negative_int, option, positive_int
+from vlmod.cli.argtypes import add_dtype_argument, device, non_negative_int, option, positive_int
 from vlmod.cli.common import MODEL_FLAG, SubParsers, capacity, layers, write_json_result
 
 
@@ -67,6 +67,7 @@ def add_bench_vit_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
         "--threads", type=positive_int, default=None, help="torch intra-op threads (default: torch's)"
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and batch (default: 0)")
+    _add_device_arguments(p, "float32 (the random weights' own)")
     p.add_argument("--json", metavar="PATH", default=None, help="also write the result as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=run_bench_vit)
@@ -86,6 +87,8 @@ def run_bench_vit(args: argparse.Namespace) -> int:
         threads=args.threads,
         seed=args.seed,
         progress=not args.no_progress,
+        device=args.device,
+        dtype=args.dtype,
     )
     print(format_vit_result(result))
     write_json_result(args.json, result)
@@ -98,6 +101,16 @@ def _add_timing_arguments(p: argparse.ArgumentParser, warmup: int, repeats: int)
     p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--json", metavar="PATH", default=None, help="also write the result as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _add_device_arguments(p: argparse.ArgumentParser, auto: str) -> None:
+    """`--device` and `--dtype` of a benchmark: where both models run, in what dtype."""
+    p.add_argument(
+        "--device", type=device, default="cpu",
+        help="torch device both models run on; on a GPU every timing waits for its kernels (default: cpu)",
+    )
+    action = add_dtype_argument(p)
+    action.help = f"weights dtype: auto is {auto} (default: auto)"
 
 
 def _add_cache_argument(p: argparse.ArgumentParser) -> None:
@@ -127,7 +140,9 @@ def add_bench_llava_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
     source = p.add_mutually_exclusive_group()
     source.add_argument("--model", default=None, help="checkpoint directory or hub id")
     source.add_argument(
-        "--preset", choices=sorted(LLAVA_PRESETS), default="llava-1.5", help="model built from config (default: llava-1.5)"
+        "--preset", choices=sorted(LLAVA_PRESETS), default="llava-1.5",
+        help="model built from config with random weights: llava-1.5 has LLaVA-1.5-7B's token shapes at width 512 "
+        "for a CPU; llava-1.5-7b-full is the real 7B (width 4096, CLIP-L/336, bfloat16) for a GPU (default: llava-1.5)",
     )
     p.add_argument(
         "--capacity", type=capacity, default=None,
@@ -141,6 +156,7 @@ def add_bench_llava_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
            help="prompts per batch (default: 1)")
     p.add_argument("--new-tokens", type=positive_int, default=16, help="tokens to generate (default: 16)")
     _add_cache_argument(p)
+    _add_device_arguments(p, "the checkpoint's own, float32 for llava-1.5, bfloat16 for the -full preset")
     _add_timing_arguments(p, warmup=1, repeats=5)
     p.set_defaults(run=run_bench_llava, model_flags=MODEL_FLAG)
     return p
@@ -150,7 +166,8 @@ def run_bench_llava(args: argparse.Namespace) -> int:
     result = bench_llava(
         model=args.model, preset=args.preset, capacity=args.capacity, layers=args.layers, batch=args.batch,
         new_tokens=args.new_tokens, warmup=args.warmup, repeats=args.repeats, threads=args.threads,
-        progress=not args.no_progress, cache=args.cache, decode_bound=args.decode_bound,
+        progress=not args.no_progress, cache=args.cache, decode_bound=args.decode_bound, device=args.device,
+        dtype=args.dtype,
     )
     print(format_generation_result(result))
     write_json_result(args.json, result)
@@ -171,7 +188,8 @@ def add_bench_video_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
     source.add_argument("--model", default=None, help="LlavaNextVideo or LlavaOnevision checkpoint directory or hub id")
     source.add_argument(
         "--preset", default="llava-next-video-7b",
-        help=f"model built from config: {' | '.join(sorted(VIDEO_PRESETS))} (default: llava-next-video-7b)",
+        help=f"model built from config: {' | '.join(sorted(VIDEO_PRESETS))}; llava-next-video-7b has the 7B's "
+        "token shapes at width 512 for a CPU, -full is the real 7B in bfloat16 for a GPU (default: llava-next-video-7b)",
     )
     p.add_argument("--video", default=None, help="video file (default: a generated 3 s clip)")
     p.add_argument("--frames", type=positive_int, default=8, help="frames sampled uniformly from the clip (default: 8)")
@@ -188,6 +206,7 @@ def add_bench_video_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--new-tokens", type=positive_int, default=16, help="tokens to generate (default: 16)")
     _add_cache_argument(p)
+    _add_device_arguments(p, "the checkpoint's own, float32 for the small presets, bfloat16 for -full")
     _add_timing_arguments(p, warmup=1, repeats=5)
     p.set_defaults(run=run_bench_video, model_flags=MODEL_FLAG)
     return p
@@ -198,7 +217,7 @@ def run_bench_video(args: argparse.Namespace) -> int:
         model=args.model, preset=args.preset, video=args.video, frames=args.frames, batch=args.batch,
         capacity=args.capacity, layers=args.layers, new_tokens=args.new_tokens, warmup=args.warmup,
         repeats=args.repeats, threads=args.threads, progress=not args.no_progress, cache=args.cache,
-        decode_bound=args.decode_bound,
+        decode_bound=args.decode_bound, device=args.device, dtype=args.dtype,
     )
     print(format_video_result(result))
     write_json_result(args.json, result)

@@ -214,7 +214,8 @@ class DecoderAdapter:
     def _matches_token(embeds: Tensor, table: nn.Module, token_id: int | None) -> Tensor | None:
         if token_id is None:
             return None
-        ref = table(torch.tensor(token_id, device=embeds.device)).to(embeds.dtype)
+        # torch.full fills on the device; torch.tensor(token_id, device=...) would copy from the host.
+        ref = table(torch.full((), token_id, dtype=torch.long, device=embeds.device)).to(embeds.dtype)
         return (embeds == ref).all(-1)
 
     def begin_forward(self, part: MoDPart, args: tuple, kwargs: dict) -> None:

@@ -61,8 +61,14 @@ class TokenLayout:
     ) -> TokenLayout:
         """Layout of a batch with arbitrary token types; precomputes the budgets of `capacities`
         in a single host sync."""
-        routable_ids = torch.tensor([int(t) for t in routable_types], dtype=token_types.dtype)
-        routable = torch.isin(token_types, routable_ids.to(token_types.device))
+        # One comparison per routable type (two at most), not a tensor of ids: building one on the
+        # host and copying it to a GPU would be a host sync in every forward, decode steps too.
+        routable = None
+        for t in routable_types:
+            hit = token_types == int(t)
+            routable = hit if routable is None else routable | hit
+        if routable is None:
+            routable = torch.zeros_like(token_types, dtype=torch.bool)
         protected = (token_types != TokenType.PADDING) & ~routable
         layout = cls(token_types=token_types, routable=routable, protected=protected)
         layout.prepare(capacities)
