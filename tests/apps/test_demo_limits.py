@@ -1,6 +1,6 @@
-"""The demo server's memory under hostile uploads, measured as the peak resident memory (VmHWM)
-of a real server process: a tiny PNG of an extreme shape, and parallel uploads of large pictures.
-Plus the shape checks themselves, in process."""
+"""The demo server under hostile uploads, as a real server process: its peak resident memory
+(VmHWM) for a tiny PNG of an extreme shape and parallel uploads of large pictures, and its log when
+clients drop mid-upload. Plus the shape checks and the body deadline themselves, in process."""
 
 from __future__ import annotations
 
@@ -221,3 +221,26 @@ def test_a_body_that_trickles_in_is_cut_at_its_deadline() -> None:
     assert scope.get("too_slow") and not scope.get("body_done") and seconds < 2.0
     scope, _ = request([b"x" * 50, b"y" * 50], stall=False)
     assert scope.get("body_done") and scope["after"]["type"] == "http.disconnect" and not scope.get("too_slow")
+
+
+def test_a_client_that_drops_mid_upload_leaves_no_traceback() -> None:
+    """Clients that send part of an upload and hang up: the server's own log (stdout and stderr
+    of `vlmod demo`) stays free of tracebacks, and the server keeps answering."""
+    srv = Server("--timing-runs", "0")
+    try:
+        boundary = "vlmodtestboundary"
+        head = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"prompt\"\r\n\r\nhi\r\n"
+                f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a\"\r\n"
+                "Content-Type: application/octet-stream\r\n\r\n").encode() + b"\0" * 4096
+        for _ in range(3):
+            with socket.create_connection(("127.0.0.1", srv.port)) as s:
+                s.sendall(b"POST /api/analyze HTTP/1.1\r\nHost: x\r\n"
+                          + f"Content-Type: multipart/form-data; boundary={boundary}\r\n".encode()
+                          + b"Content-Length: 100000\r\n\r\n" + head)
+                time.sleep(0.2)
+        time.sleep(1.0)
+        assert httpx.get(f"{srv.url}/api/health", timeout=10).status_code == 200
+    finally:
+        srv.close()
+    log = srv.proc.stdout.read().decode(errors="replace")
+    assert "Traceback" not in log and "ClientDisconnect" not in log, log[-3000:]

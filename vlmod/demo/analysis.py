@@ -5,32 +5,44 @@ grid (`vlmod.demo.layout`), plus the answer, FLOPs and latency. The JSON shape i
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 
 import vlmod
+from vlmod.bench.decode import decode_weight_bytes, generation_footprint
 from vlmod.config import TokenType
-from vlmod.demo.inference import TIMING_RUNS, build_inputs, generate, measure_latency
+from vlmod.demo.inference import build_inputs, generate
+from vlmod.demo.latency import TIMING_RUNS, measure_latency
 from vlmod.demo.layout import View, picture_views, side_of
 from vlmod.demo.media import Media
 from vlmod.demo.model import LoadedModel, tower_depth
 from vlmod.demo.pictures import data_url, model_resolution, seen_box
 from vlmod.tools.flops import generation_flops
 
+# Longest side of the whole-picture thumbnail the crop is outlined on.
+ORIGINAL_SIDE = 192
 # prefill: {(part, layer): BoolTensor[rows, tokens]}, True where the token ran the layer; the
 # language part has one row (one prompt), the vision tower one per image tile or frame.
 Prefill = dict[tuple[str, int], torch.Tensor]
 
 
 def analyze(
-    loaded: LoadedModel, media: Media, prompt: str, max_new_tokens: int = 16, timing_runs: int = TIMING_RUNS
+    loaded: LoadedModel,
+    media: Media,
+    prompt: str,
+    max_new_tokens: int = 16,
+    timing_runs: int = TIMING_RUNS,
+    hold_off: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
 ) -> dict[str, Any]:
     """Answer `prompt` about `media` with the MoD model (and the dense one when loaded), describe
-    what each MoD layer processed (a traced run), and time both fairly (`measure_latency`, untraced);
-    see `vlmod.demo.app` for the JSON shape."""
+    what each MoD layer processed (a traced run), and time both fairly (`measure_latency`, untraced,
+    inside `hold_off()`); see `vlmod.demo.app` for the JSON shape."""
     model = loaded.model
     t0 = time.perf_counter()
     inputs, as_video = build_inputs(loaded, media, prompt)
@@ -42,7 +54,6 @@ def analyze(
         if loaded.dense is not None:
             dense_answer, _ = generate(loaded.dense, inputs, loaded.processor, max_new_tokens)
             dense = {"answer": dense_answer, "same_answer": dense_answer == answer}
-    latency = measure_latency(loaded, inputs, max_new_tokens, timing_runs)
     prefill_trace = trace.first_step()
     prefill = {k: processed.cpu() for k, processed in prefill_trace.processed.items()}
     seq_len = inputs["input_ids"].shape[1]
@@ -63,11 +74,18 @@ def analyze(
         "mod_language": flops_mod["language"],
         "dense_vision": flops_dense["vision"],
         "mod_vision": flops_mod["vision"],
+        # What MoD cuts: the language model's prefill (and the tower's, when it is converted).
+        "language_saved_fraction": 1.0 - flops_mod["language"] / flops_dense["language"],
         "saved_fraction": 1.0 - flops_mod["total"] / flops_dense["total"],
+    }
+    stats["capacity"] = {
+        part: {str(layer): c for (p, layer), c in sorted(vlmod.mod_layers(model).items()) if p == part}
+        for part in loaded.mod_layers
     }
     # generate: the traced run that made the maps (not a fair latency: see "latency").
     stats["latency_s"] = {"preprocess": preprocess_s, "generate": generate_s}
-    stats["latency"] = latency
+    predicted = _predictions(loaded, inputs, flops_dense, flops_mod) if timing_runs > 0 else None
+    stats["latency"] = measure_latency(loaded, inputs, max_new_tokens, timing_runs, predicted, hold_off)
     stats["dense"] = dense
     vis_mod = loaded.mod_layers.get("vision", [])
     if vis_mod and vision_types is not None:
@@ -84,6 +102,20 @@ def analyze(
         "media": items,
         "stats": stats,
     }
+
+
+def _predictions(
+    loaded: LoadedModel, inputs: dict[str, Any], flops_dense: dict[str, float], flops_mod: dict[str, float]
+) -> dict[str, float | None]:
+    """What each latency figure is held against, dense / MoD: the prefill FLOPs for time to first
+    token, the bytes a decode step reads (language model weights plus KV cache, as `vlmod bench`
+    counts them) for a decode step; decode None without a dense model to read the cache of."""
+    decode = None
+    if loaded.dense is not None:
+        _, kv = generation_footprint(loaded.dense, loaded.model, inputs)
+        dense_bytes = decode_weight_bytes(loaded.dense) + kv["dense"]
+        decode = dense_bytes / (decode_weight_bytes(loaded.model) + kv["mod"])
+    return {"prefill": flops_dense["total"] / flops_mod["total"], "decode": decode}
 
 
 def _picture_json(
@@ -112,12 +144,26 @@ def _picture_json(
         "height": shown.height,
         "src": data_url(shown),
         # What the model saw: this crop of the original picture, resized to model_size.
-        "original": {"width": picture.width, "height": picture.height},
+        "original": {"width": picture.width, "height": picture.height},  # + "src" when cropped
         "crop": {"x": box[0], "y": box[1], "width": box[2] - box[0], "height": box[3] - box[1]},
         "model_size": {"width": model_w, "height": model_h},
         "model_src": data_url(shown, (model_w, model_h)),
         "views": [_view_json(v, lang_mod, prefill, "language") for v in views],
     }
+    if box != (0, 0, *picture.size):
+        # The whole picture as decoded here (upright, EXIF applied), for the page to outline the
+        # crop on: the browser's own copy of the file may be turned another way.
+        scale = ORIGINAL_SIDE / max(picture.size)
+        thumb = (max(1, round(picture.width * scale)), max(1, round(picture.height * scale)))
+        item["original"]["src"] = data_url(picture, thumb)
+    # Each grid its own model resolution (anyres: the high-res grid's tiles, the overview's square);
+    # pixels at it where it differs from the first grid's.
+    patch = side_of(config.vision_config.patch_size)
+    for view, view_json in zip(views, item["views"], strict=True):
+        w, h = model_resolution(processor, view, patch)
+        view_json["model_size"] = {"width": w, "height": h}
+        if (w, h) != (model_w, model_h):
+            view_json["model_src"] = data_url(shown, (w, h))
     tokens = sorted({t for v in views for t in v.tokens})
     item["stats"] = _passes(tokens, lang_mod, config.text_config.num_hidden_layers, prefill, "language")
     item["vision"] = None

@@ -12,19 +12,27 @@ API (errors are always `{"error": "..."}` with a 4xx status):
        "source": {"example": name} | {"upload": {"bytes": n}},
        "layers": {"language": {"total", "mod": [i, ...]}, "vision": {"total", "mod": [...]}},
        "media": [{"index", "time_s", "width", "height", "src": data URL of the part the model saw,
-                  "original": {"width", "height"}, "crop": {"x", "y", "width", "height"} of it,
+                  "original": {"width", "height", "src" (when cropped: the whole picture, upright)},
+                  "crop": {"x", "y", "width", "height"} of it,
                   "model_size": {"width", "height"}, "model_src": data URL at the model's resolution,
-                  "views": [{"name", "rows", "cols",
+                  "views": [{"name", "rows", "cols", "model_size" (this grid's resolution),
+                             "model_src" (where it differs from the first grid's),
                              "counts": [rows*cols: MoD language layers that processed the token],
                              "masks": [per MoD language layer: rows*cols of 0/1]}],
                   "vision": null | {"name", "rows", "cols", "counts", "masks", "stats"},
                   "stats": {"tokens", "layer_passes", "dense_layer_passes", "compute_fraction"}}],
        "stats": {"vision_tokens", "text_tokens", "processed_per_layer", "tokens_skipped",
                  "skipped_fraction_mod_layers", "skipped_fraction_all_layers",
-                 "flops": {"dense", "mod", "saved_fraction", ...},
+                 "flops": {"dense", "mod", "saved_fraction" (prefill, vision tower included),
+                           "dense_language", "mod_language", "language_saved_fraction" (what MoD
+                           cuts), "dense_vision", "mod_vision"},
+                 "capacity": {part: {layer: the router's budget, a fixed fraction}},
                  "latency_s": {"preprocess", "generate" (the traced run), "queue", "decode"},
-                 "latency": null | {"mod_s", "dense_s", "speedup", "runs", "new_tokens", "samples",
-                                    "method"} (fair: warm, untraced, interleaved, medians),
+                 "latency": null | {"prefill" (time to first token), "decode" (seconds per token):
+                                    {"mod_s", "dense_s", "speedup", "interval", "verdict",
+                                     "predicted_speedup", ...}, "contended", "contention", "runs",
+                                    "new_tokens", "samples", "purpose", "method"}
+                            (`vlmod.demo.latency`: warm, untraced, interleaved, others held off),
                  "dense": null | {"answer", "same_answer"},
                  "vision_tower": {...} (when the tower is converted)}}
 
@@ -35,7 +43,9 @@ when too large, too elongated, or one the processor would resize to too many pix
 `max_active` requests decode and run at a time (what bounds memory: a decoded picture exists only
 inside that section), at most `max_waiting` more wait for a turn with nothing decoded, and the
 rest get a 503; memory is handed back to the system after each request. The model runs in a
-worker thread, one request at a time (a lock), so the server keeps answering while it works.
+worker thread, one request at a time (a lock), so the server keeps answering while it works; while
+it is timed, no other request decodes (`QuietTurn`). A client that goes away mid-upload ends its
+request quietly (no traceback in the log).
 """
 
 from __future__ import annotations
@@ -54,7 +64,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import FormData, UploadFile
 from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
@@ -68,12 +78,14 @@ from vlmod.demo.guards import (
     BodyLimit,
     BodyTooLarge,
     BodyTooSlow,
+    QuietTurn,
     WorkGate,
     error,
     save_upload,
     too_large,
 )
-from vlmod.demo.inference import TIMING_RUNS, warm_up
+from vlmod.demo.inference import warm_up
+from vlmod.demo.latency import TIMING_RUNS
 from vlmod.demo.layout import AnalysisError
 from vlmod.demo.media import (
     MAX_ASPECT,
@@ -81,6 +93,7 @@ from vlmod.demo.media import (
     MAX_RESIZED_PIXELS,
     MediaError,
     decode_media,
+    looks_like_video,
     processor_resized_pixels,
     release_memory,
 )
@@ -176,7 +189,7 @@ def create_app(
 
     The model loads here, so a bad checkpoint fails at start, not on the first request; with
     `timing_runs` > 0 both models are warmed up here and each request times them fairly
-    (`vlmod.demo.inference.measure_latency`), 0 reports no latency.
+    (`vlmod.demo.latency.measure_latency`), 0 reports no latency.
     max_active / max_waiting: requests decoding or running at once / queued for a turn (the rest
     get 503): what bounds the server's memory under parallel uploads.
     """
@@ -212,6 +225,7 @@ class Demo:
         self.examples, self.examples_dir = examples, examples_dir
         self.model_lock = threading.Lock()
         self.gate = WorkGate(limits.max_active, limits.max_waiting)
+        self.quiet = QuietTurn()
         self.placeholders = _placeholder_tokens(loaded.processor)
         self.shape_limits = {
             "max_aspect": limits.max_aspect, "max_resized_pixels": limits.max_resized_pixels,
@@ -292,7 +306,7 @@ class Demo:
             try:
                 result, decoded = await run_in_threadpool(self.decode_and_run, path, prompt, received)
             except MediaError as err:
-                return error(str(err), err.status)
+                return error(_plain_media_error(err, path), err.status)
             except AnalysisError as err:
                 return error(f"this model's token layout is not supported by the demo: {err}", 422)
             except ValueError as err:  # the processor or the model refused this prompt / picture
@@ -315,6 +329,8 @@ class Demo:
             return await request.form(max_files=1, max_fields=8, max_part_size=FORM_OVERHEAD)
         except BodyTooLarge:
             raise Refusal(too_large(self.limits.max_upload)) from None
+        except ClientDisconnect:  # nobody is left to read an answer: end without a traceback
+            raise Refusal(error("the client went away before its upload arrived", 400)) from None
         except BodyTooSlow:
             raise Refusal(error(
                 f"the upload arrived too slowly (the demo waits {UPLOAD_GRACE_S:.0f} s plus one second per "
@@ -373,7 +389,8 @@ class Demo:
         try:
             waited = time.perf_counter() - start
             limits = self.limits
-            media = decode_media(path, limits.num_frames, limits.max_pixels, **self.shape_limits)
+            with self.quiet.shared():  # never while another request is timed
+                media = decode_media(path, limits.num_frames, limits.max_pixels, **self.shape_limits)
             decoded = time.perf_counter() - received - waited
             result = self.run_model(media, prompt)
             result["stats"]["latency_s"]["queue"] += waited
@@ -390,10 +407,27 @@ class Demo:
             waited = time.perf_counter() - start
             result = analyze(
                 self.loaded, media, prompt, max_new_tokens=self.limits.max_new_tokens,
-                timing_runs=self.limits.timing_runs,
+                timing_runs=self.limits.timing_runs, hold_off=self.quiet.exclusive,
             )
         result["stats"]["latency_s"]["queue"] = waited
         return result
+
+
+def _plain_media_error(err: MediaError, path: Path) -> str:
+    """The page's sentence for an upload that did not decode: a video that starts like one but does
+    not decode is cut short or damaged (the decoder's own words help nobody: "ERROR opening: ...,
+    Invalid data found when processing input"); other refusals already say what to do."""
+    if err.status != 400:
+        return str(err)
+    try:
+        with path.open("rb") as f:
+            video = looks_like_video(f.read(16))
+    except OSError:
+        video = False
+    if video:
+        return ("This video is corrupt or cut short, so it could not be decoded (an upload or download "
+                "that stopped early does this). Export or download it again, or try another file.")
+    return str(err)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

@@ -1,10 +1,13 @@
 """What keeps the demo server within bounds: the request body cap and its deadline, the gate that
-bounds how many requests decode and run at once, and uploads copied to disk in chunks."""
+bounds how many requests decode and run at once, the turn that holds other requests off while one
+is timed, and uploads copied to disk in chunks."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 from starlette.datastructures import UploadFile
@@ -118,3 +121,43 @@ async def save_upload(upload: UploadFile, path: Path, limit: int) -> int | None:
         path.unlink(missing_ok=True)
         return None
     return size
+
+
+class QuietTurn:
+    """Lets the timed section of one request run with the other requests held off: any number
+    may be `shared` (decoding an upload) at once, while `exclusive` (timing the models) waits for
+    them to finish and keeps new ones out until it ends. Exclusive turns go first: a stream of
+    decodes cannot starve the timing. A section must not wait for the model lock while shared,
+    or two requests could wait on each other."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._shared = 0
+        self._exclusive = False
+        self._queued = 0
+
+    @contextlib.contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._exclusive and not self._queued)
+            self._shared += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._shared -= 1
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._cond:
+            self._queued += 1
+            self._cond.wait_for(lambda: not self._exclusive and not self._shared)
+            self._queued -= 1
+            self._exclusive = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._exclusive = False
+                self._cond.notify_all()

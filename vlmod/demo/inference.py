@@ -1,9 +1,8 @@
 """Running the models for a request: the processor's inputs for a picture or a video, a greedy
-generate, and a fair latency of MoD against dense (warm, untraced, interleaved)."""
+generate, and the warm-up that makes later timings fair (`vlmod.demo.latency`)."""
 
 from __future__ import annotations
 
-import statistics
 import time
 from typing import Any
 
@@ -15,13 +14,6 @@ from torch import nn
 from vlmod.demo.media import Media
 from vlmod.demo.model import LoadedModel
 from vlmod.tools.cache import generate_cache
-
-# Timed generate calls per model per request (interleaved, median reported); 0 = no timing.
-TIMING_RUNS = 3
-TIMING_METHOD = (
-    "greedy generate of {tokens} new tokens (end-of-sequence ignored), untraced, after a start-up "
-    "warm-up; {models} interleaved, {runs} runs each in alternating order; median"
-)
 
 
 def build_inputs(loaded: LoadedModel, media: Media, prompt: str) -> tuple[dict[str, Any], bool]:
@@ -50,14 +42,25 @@ def build_inputs(loaded: LoadedModel, media: Media, prompt: str) -> tuple[dict[s
 
 
 def generate(
-    model: nn.Module, inputs: dict[str, Any], processor: Any, max_new_tokens: int, exact: bool = False
+    model: nn.Module,
+    inputs: dict[str, Any],
+    processor: Any,
+    max_new_tokens: int,
+    exact: bool = False,
+    clock: Any = None,
 ) -> tuple[str, float]:
     """(answer, seconds) of a greedy generate; exact: always `max_new_tokens` new tokens (an
-    end-of-sequence token does not stop it), so two models' times count the same work."""
+    end-of-sequence token does not stop it), so two models' times count the same work. clock: a
+    logits processor called once per new token (`vlmod.bench.decode.StepClock`), which tells the
+    prefill from the decode steps."""
     tokenizer = getattr(processor, "tokenizer", processor)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     extra = {"min_new_tokens": max_new_tokens} if exact else {}
     extra.update(generate_cache(model, max_new_tokens))
+    if clock is not None:
+        from transformers import LogitsProcessorList
+
+        extra["logits_processor"] = LogitsProcessorList([clock])
     device = next(model.parameters()).device
     _sync(device)
     start = time.perf_counter()
@@ -71,38 +74,6 @@ def generate(
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def measure_latency(
-    loaded: LoadedModel, inputs: dict[str, Any], max_new_tokens: int, runs: int = TIMING_RUNS
-) -> dict[str, Any] | None:
-    """Fair wall-clock latency of the MoD model and (when loaded) the dense one on `inputs`: both
-    untraced and warm, the same number of new tokens, interleaved in alternating order (MoD first,
-    then dense first, ...) so a change in machine load hits both alike; medians of `runs` each.
-
-    None when `runs` is 0 or the models were not warmed up (`warm_up`): then there is no fair
-    number to show."""
-    if runs <= 0 or loaded.warm_up_s is None:
-        return None
-    models = [("mod", loaded.model)] + ([("dense", loaded.dense)] if loaded.dense is not None else [])
-    samples: dict[str, list[float]] = {name: [] for name, _ in models}
-    with torch.inference_mode():
-        for run in range(runs):
-            for name, model in models if run % 2 == 0 else models[::-1]:
-                samples[name].append(generate(model, inputs, loaded.processor, max_new_tokens, exact=True)[1])
-    mod_s = statistics.median(samples["mod"])
-    dense_s = statistics.median(samples["dense"]) if "dense" in samples else None
-    return {
-        "mod_s": mod_s,
-        "dense_s": dense_s,
-        "speedup": None if dense_s is None else dense_s / mod_s,
-        "runs": runs,
-        "new_tokens": max_new_tokens,
-        "samples": samples,
-        "method": TIMING_METHOD.format(
-            tokens=max_new_tokens, runs=runs, models="MoD and dense" if dense_s is not None else "MoD only"
-        ),
-    }
 
 
 def warm_up(loaded: LoadedModel, max_new_tokens: int = 4) -> float:

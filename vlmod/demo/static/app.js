@@ -12,23 +12,33 @@ const state = {
   part: "language",    // "language" | "vision"
   view: 0,             // index into media[frame].views
   layer: 0,            // 0 = all MoD layers (counts), k = k-th MoD layer's mask
-  pixels: "model",     // "model": the pixels at the model's resolution | "sharp": the crop as uploaded
+  pixels: "sharp",     // "sharp": the crop as uploaded | "model": the pixels at the model's resolution
+  pixelsChosen: false, // the user picked a view: keep it for later results
   images: [],          // decoded <img> per media item (the crop, sharp)
   modelImages: [],     // decoded <img> per media item (the crop at the model's resolution)
-  original: null,      // <img> of the uploaded picture, for the crop outline
+  originals: [],       // <img> per media item: the whole picture as the server decoded it, or null
   generation: 0,       // bumps on every run, so a late answer never paints over a newer state
+  playing: 0,          // setInterval id while a clip plays, else 0
 };
 
 // ----------------------------------------------------------------------------- overlay style
 
-// Readable on any picture: skipped tokens are dimmed (darker the more MoD layers skipped them),
-// tokens that ran are outlined in Okabe-Ito sky blue on a dark halo (colour-blind safe, visible on
-// bright and dark scenes alike). Brightness and outline carry the meaning, not hue alone.
+// Readable on any picture: skipped tokens are dimmed, tokens that ran at every MoD layer are
+// outlined in Okabe-Ito sky blue on a dark halo (colour-blind safe, visible on bright and dark
+// scenes alike). Brightness and outline carry the meaning, not hue alone. The veil has at most four
+// levels, far enough apart to tell on a photo: ran everywhere (none), at half the MoD layers or
+// more, at fewer than half, nowhere.
 const RUN_EDGE = "#56B4E9";
 const HALO = "rgba(0, 0, 0, 0.85)";
-const DIM_MAX = 0.68;    // opacity of the black veil over a token no MoD layer ran
+const DIM_MAX = 0.78;    // opacity of the black veil over a token no MoD layer ran
+const DIM_MOST = 0.28;   // ran at half the MoD layers or more (not all)
+const DIM_FEW = 0.55;    // ran at fewer than half (not none)
 
-function dimFor(count, n) { return n ? DIM_MAX * (1 - count / n) : 0; }
+function dimFor(count, n) {
+  if (!n || count >= n) return 0;
+  if (count <= 0) return DIM_MAX;
+  return 2 * count >= n ? DIM_MOST : DIM_FEW;
+}
 
 // ----------------------------------------------------------------------------- formatting
 
@@ -72,19 +82,50 @@ function updateRunButton() {
 
 // ----------------------------------------------------------------------------- input
 
+// A new choice (a file, an example, or a refused file) replaces everything about the old one: its
+// result, its error, its selection, so nothing on screen describes a file that is not chosen.
+function resetChoice() {
+  state.generation++;  // an answer still on its way belongs to the old choice
+  clearResult();
+  $("result-error").hidden = true;
+  $("empty").hidden = false;
+  document.body.dataset.state = "idle";
+  setStatus("");
+}
+
 function chooseFile(file) {
   if (!file) return;
+  resetChoice();
   const limit = state.limits ? state.limits.max_upload_bytes : Infinity;
   if (file.size > limit) {
-    setStatus(`That file is ${(file.size / 2 ** 20).toFixed(1)} MB; the demo takes up to ${(limit / 2 ** 20).toFixed(0)} MB.`, "error");
+    clearChoice();
+    setStatus(`That file is ${(file.size / 2 ** 20).toFixed(1)} MB; the demo takes up to ${(limit / 2 ** 20).toFixed(0)} MB. Choose a smaller one.`, "error");
     return;
   }
   state.source = { file };
   markExample(null);
   showPreview(file.type.startsWith("video") ? null : URL.createObjectURL(file), file.name,
     `${(file.size / 1024).toFixed(0)} KB · ${file.type || "unknown type"}`);
-  setStatus("");
   updateRunButton();
+}
+
+// Nothing chosen: Run cannot analyse a file that was refused, nor the one before it.
+function clearChoice() {
+  state.source = null;
+  markExample(null);
+  $("file").value = "";
+  const preview = $("dz-preview");
+  preview.textContent = "";
+  preview.hidden = true;
+  $("dz-title").textContent = "Drop an image or a video";
+  $("dz-hint").textContent = dropHint();
+  $("dropzone").classList.remove("has-file");
+  updateRunButton();
+}
+
+function dropHint() {
+  const limit = state.limits ? ` · up to ${(state.limits.max_upload_bytes / 2 ** 20).toFixed(0)} MB` : "";
+  return `or click to choose a file${limit}`;
 }
 
 function showPreview(url, title, hint) {
@@ -122,11 +163,11 @@ async function loadExamples() {
     const button = el("button", {
       class: "example", type: "button", title: ex.prompt, "data-name": ex.name,
       onclick: () => {
+        resetChoice();
         state.source = { example: ex.name };
         markExample(ex.name);
         $("prompt").value = ex.prompt;
         showPreview(ex.kind === "video" ? null : ex.url, ex.name.replace(/-/g, " "), `${ex.kind} · expected answer: ${ex.answer}`);
-        setStatus("");
         updateRunButton();
       },
     }, [thumb, el("span", { class: "example-badge", text: ex.kind === "video" ? "video" : "image" })]);
@@ -149,7 +190,7 @@ async function loadHealth() {
     if (m.dense) parts.push("dense baseline");
     $("model-info").textContent = parts.join(" · ");
     $("model-info").title = `${m.name}: ${(m.parameters / 1e6).toFixed(2)} M parameters`;
-    $("dz-hint").textContent = `or click to choose a file · up to ${(h.limits.max_upload_bytes / 2 ** 20).toFixed(0)} MB`;
+    if (!state.source) $("dz-hint").textContent = dropHint();
     if (m.about) {
       $("about-model").hidden = false;
       $("about-model").classList.toggle("embedded", Boolean(m.about.embedded));
@@ -165,6 +206,7 @@ async function loadHealth() {
 // ----------------------------------------------------------------------------- run
 
 function clearResult() {
+  stopPlaying();
   state.result = null;
   state.images = [];
   state.modelImages = [];
@@ -181,7 +223,7 @@ function showError(message) {
   $("empty").hidden = true;
   $("result-error").hidden = false;
   $("result-error-message").textContent = message;
-  setStatus(message, "error");
+  setStatus("");  // the message is shown once, in the result panel
   document.body.dataset.state = "error";
   // Where the user looks: on a phone the result panel is below the fold.
   $("result-error").scrollIntoView({ block: "nearest", behavior: "smooth" });
@@ -233,20 +275,26 @@ function loadImage(src) {
 }
 
 async function show(result, source) {
-  const [images, modelImages] = await Promise.all([
+  // Per picture: the crop, its pixels at each grid's model resolution, and the whole picture as
+  // the server decoded it (EXIF orientation applied there), on which the crop is outlined.
+  const [images, modelImages, originals] = await Promise.all([
     Promise.all(result.media.map((m) => loadImage(m.src))),
-    Promise.all(result.media.map((m) => loadImage(m.model_src))),
+    Promise.all(result.media.map(async (m) => {
+      const base = await loadImage(m.model_src);
+      return Promise.all(m.views.map((v) => (v.model_src ? loadImage(v.model_src) : base)));
+    })),
+    Promise.all(result.media.map((m) => (m.original.src ? loadImage(m.original.src) : null))),
   ]);
-  state.original = null;
-  if (source && source.file && result.kind === "image") {
-    state.original = await loadImage(URL.createObjectURL(source.file)).catch(() => null);
-  }
   state.result = result;
   state.images = images;
   state.modelImages = modelImages;
+  state.originals = originals;
   state.frame = 0;
   state.view = 0;
   state.layer = 0;
+  // Photos and video frames read clearly only sharp; a bundled example is as small as the model's
+  // input, so its own pixels are the honest view. A view the user picked stays picked.
+  if (!state.pixelsChosen) state.pixels = source && source.file ? "sharp" : "model";
   if (state.part === "vision" && !result.media[0].vision) state.part = "language";
   $("empty").hidden = true;
   $("result-error").hidden = true;
@@ -273,7 +321,9 @@ function modLayers() {
 }
 
 function pictureFor(k) {
-  return state.pixels === "model" ? state.modelImages[k] : state.images[k];
+  if (state.pixels !== "model") return state.images[k];
+  const views = state.modelImages[k];
+  return state.part === "vision" ? views[0] : views[Math.min(state.view, views.length - 1)];
 }
 
 function drawOverlay(canvas, img, grid, width, outline = true) {
@@ -371,6 +421,7 @@ function renderTicks(layers) {
 }
 
 function renderLayerLabel(grid, layers) {
+  $("layer-heading").textContent = state.part === "vision" ? "Vision-tower layer" : "Language-model layer";
   const label = $("layer-label");
   const what = state.part === "vision" ? "vision-tower" : "language";
   label.textContent = "";
@@ -395,11 +446,15 @@ function renderLegend(grid) {
   legend.textContent = "";
   const n = grid.masks.length;
   if (state.layer === 0 && n > 1) {
+    const half = Math.ceil(n / 2);
     legend.append(el("span", { class: "key" }, [swatch(0, true), `ran at all ${n} MoD layers`]));
-    for (let k = n - 1; k >= 1; k--) {
-      legend.append(el("span", { class: "key" }, [swatch(dimFor(k, n), false), `ran at ${k} of ${n}`]));
+    legend.append(el("span", { class: "key" }, [swatch(DIM_MOST, false),
+      half === n - 1 ? `ran at ${half} of ${n}` : `ran at ${half} to ${n - 1} of ${n}`]));
+    if (half > 1) {
+      legend.append(el("span", { class: "key" }, [swatch(DIM_FEW, false),
+        half === 2 ? `ran at 1 of ${n}` : `ran at 1 to ${half - 1} of ${n}`]));
     }
-    legend.append(el("span", { class: "key" }, [swatch(dimFor(0, n), false), "skipped at every MoD layer"]));
+    legend.append(el("span", { class: "key" }, [swatch(DIM_MAX, false), "skipped at every MoD layer"]));
   } else {
     legend.append(
       el("span", { class: "key" }, [swatch(0, true), "processed (attention + MLP)"]),
@@ -411,7 +466,8 @@ function renderLegend(grid) {
 // What the model saw: the crop of the picture and the resolution it took it in.
 function renderSeen(item, grid) {
   const note = $("seen-note");
-  const o = item.original, c = item.crop, m = item.model_size;
+  const o = item.original, c = item.crop;
+  const m = (state.part === "language" && grid.model_size) || item.model_size;
   const cropped = c.width !== o.width || c.height !== o.height;
   const frame = state.result.kind === "video" ? "frame" : "picture";
   const parts = [];
@@ -424,194 +480,27 @@ function renderSeen(item, grid) {
   const which = grid.name === "tokens" ? "" : ` (${grid.name})`;
   note.textContent = `${parts.join(", ")}: one token per cell of this ${grid.cols}×${grid.rows} grid${cell}${which}.`;
   const thumb = $("crop-thumb");
-  thumb.hidden = !(cropped && state.original);
+  const img = state.originals[state.frame];
+  thumb.hidden = !(cropped && img);
   if (!thumb.hidden) {
-    const img = state.original;
-    const w = 96, h = Math.round(w * img.naturalHeight / img.naturalWidth);
+    // The picture as the server decoded it (upright, as the model saw it), not the browser's copy
+    // of the file: the crop box is in the server's pixels.
+    const w = 96, h = Math.round(w * o.height / o.width);
     const ratio = window.devicePixelRatio || 1;
     thumb.width = w * ratio; thumb.height = h * ratio;
     thumb.style.width = `${w}px`; thumb.style.height = `${h}px`;
     const ctx = thumb.getContext("2d");
     ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
     ctx.drawImage(img, 0, 0, w, h);
+    const ix = img.naturalWidth / o.width, iy = img.naturalHeight / o.height;
     const sx = w / o.width, sy = h / o.height;
     ctx.fillStyle = "rgba(0, 0, 0, 0.6)";
     ctx.fillRect(0, 0, w, h);
-    ctx.drawImage(img, c.x, c.y, c.width, c.height, c.x * sx, c.y * sy, c.width * sx, c.height * sy);
+    ctx.drawImage(img, c.x * ix, c.y * iy, c.width * ix, c.height * iy, c.x * sx, c.y * sy, c.width * sx, c.height * sy);
     ctx.strokeStyle = RUN_EDGE;
     ctx.lineWidth = 2;
     ctx.strokeRect(c.x * sx + 1, c.y * sy + 1, c.width * sx - 2, c.height * sy - 2);
   }
-}
-
-// ----------------------------------------------------------------------------- frames
-
-function renderFrameControls() {
-  const r = state.result;
-  const box = $("frame-controls");
-  box.hidden = r.media.length < 2;
-  const slider = $("frame");
-  slider.max = String(r.media.length - 1);
-  slider.value = "0";
-}
-
-function updateFrameControls() {
-  const r = state.result;
-  if (r.media.length < 2) return;
-  const item = r.media[state.frame];
-  $("frame").value = String(state.frame);
-  $("frame-prev").disabled = state.frame === 0;
-  $("frame-next").disabled = state.frame === r.media.length - 1;
-  const [run, total] = tokensRun(currentGrid(item));
-  const time = item.time_s == null ? "" : ` · ${item.time_s.toFixed(2)} s`;
-  const what = state.layer === 0 ? "token-layer passes run" : "tokens run";
-  $("frame-label").textContent = `Frame ${state.frame + 1} / ${r.media.length}${time} · ${run} of ${total} ${what}`;
-}
-
-function selectFrame(k) {
-  const r = state.result;
-  if (!r) return;
-  const next = Math.max(0, Math.min(r.media.length - 1, k));
-  if (next === state.frame) return;
-  state.frame = next;
-  renderToggles();
-  redraw();
-  const card = document.querySelector(`.frame-card[data-index="${next}"]`);
-  if (card) card.scrollIntoView({ block: "nearest", inline: "nearest" });
-}
-
-function renderStrip() {
-  const r = state.result;
-  const wrap = $("strip-wrap");
-  const strip = $("strip");
-  strip.textContent = "";
-  if (r.media.length < 2) { wrap.hidden = true; return; }
-  wrap.hidden = false;
-  $("strip-note").textContent = r.input === "frames"
-    ? `· ${r.media.length} frames, sent as one image each (image-only model)` : `· ${r.media.length} sampled frames`;
-  r.media.forEach((item, k) => {
-    const card = el("button", {
-      type: "button", class: "frame-card", "data-index": String(k),
-      "aria-label": `Frame ${k + 1}`, onclick: () => selectFrame(k),
-    }, [
-      el("canvas"),
-      el("div", { class: "frame-meta" }, [
-        el("span", { text: item.time_s == null ? `#${k + 1}` : `${item.time_s.toFixed(2)} s` }),
-        el("span", { class: "frame-count" }),
-      ]),
-      el("div", { class: "bar" }, [el("span")]),
-    ]);
-    card.title = `${item.stats.layer_passes} of ${item.stats.dense_layer_passes} token-layer passes run (all layers)`;
-    strip.append(card);
-  });
-}
-
-// ----------------------------------------------------------------------------- panels
-
-function renderAnswer(source) {
-  const r = state.result;
-  $("answer").textContent = r.answer || "(empty answer)";
-  const d = r.stats.dense;
-  const box = $("dense-answer");
-  if (d) {
-    box.hidden = false;
-    box.textContent = "";
-    box.append(el("span", { class: "chip neutral", text: "dense" }), ` ${d.answer || "(empty)"} `,
-      el("span", { class: `agree ${d.same_answer ? "yes" : "no"}`, text: d.same_answer ? "same answer" : "differs" }));
-  } else {
-    box.hidden = true;
-  }
-  // The embedded model knows synthetic shapes only: say so next to an answer about anything else.
-  const about = state.model && state.model.about;
-  const ood = $("ood-note");
-  ood.hidden = !(about && about.embedded && source && source.file);
-  if (!ood.hidden) {
-    const m = state.model.input_size;
-    ood.textContent = `The embedded model only knows synthetic ${m.width}×${m.height} px shapes; about your own `
-      + "picture this answer is not meaningful. The token maps still show where it spends compute.";
-  }
-}
-
-function renderLatency() {
-  const box = $("latency");
-  const t = state.result.stats.latency;
-  box.textContent = "";
-  // Only a fair measurement is shown: both models warm, untraced, interleaved, medians.
-  box.hidden = !t;
-  if (!t) return;
-  const row = el("div", { class: "latency-row" }, [
-    el("span", { class: "latency-label", text: "Latency" }),
-    el("span", { class: "latency-value" }, [el("b", { text: seconds(t.mod_s) }), " MoD"]),
-  ]);
-  if (t.dense_s != null) {
-    row.append(el("span", { class: "latency-value" }, [el("b", { text: seconds(t.dense_s) }), " dense"]));
-    const faster = t.speedup >= 1;
-    row.append(el("span", { class: `speedup ${faster ? "yes" : "no"}`, text: `${t.speedup.toFixed(2)}× ${faster ? "faster" : "(slower)"}` }));
-  }
-  box.append(row, el("div", { class: "latency-method", text: `How: ${t.method}.` }));
-}
-
-function segmented(container, options, active, onPick) {
-  container.textContent = "";
-  container.hidden = options.length < 2;
-  options.forEach(([value, label]) => {
-    container.append(el("button", {
-      type: "button", class: value === active ? "active" : "", "aria-pressed": String(value === active),
-      text: label, onclick: () => onPick(value),
-    }));
-  });
-}
-
-function renderToggles() {
-  const r = state.result;
-  const item = r.media[state.frame];
-  const parts = [["language", "Language model"]];
-  if (item.vision) parts.push(["vision", "Vision tower"]);
-  segmented($("part-toggle"), parts, state.part, (p) => {
-    state.part = p;
-    state.layer = 0;
-    renderToggles();
-    redraw();
-  });
-  const views = state.part === "language" ? item.views.map((v, i) => [i, v.name]) : [];
-  segmented($("view-toggle"), views, state.view, (v) => {
-    state.view = v;
-    renderToggles();
-    redraw();
-  });
-  const m = item.model_size;
-  segmented($("pixels-toggle"), [["model", `Model's pixels ${m.width}×${m.height}`], ["sharp", "Sharp"]], state.pixels, (p) => {
-    state.pixels = p;
-    renderToggles();
-    redraw();
-  });
-}
-
-function stat(label, value, detail) {
-  return el("div", { class: "stat" }, [
-    el("div", { class: "stat-label", text: label }),
-    el("div", { class: "stat-value", text: value }),
-    el("div", { class: "stat-detail", text: detail }),
-  ]);
-}
-
-function renderStats() {
-  const r = state.result;
-  const s = r.stats;
-  const nMod = r.layers.language.mod.length;
-  const box = $("stats");
-  box.textContent = "";
-  const kind = r.input === "video" ? "video" : "image";
-  box.append(stat("Vision tokens skipped", pct(s.skipped_fraction_mod_layers),
-    `${s.tokens_skipped} of ${s.vision_tokens * nMod} ${kind}-token passes at ${nMod} MoD layers · ${s.text_tokens} text tokens always run`));
-  box.append(stat("FLOPs saved", pct(s.flops.saved_fraction, 1),
-    `${flops(s.flops.mod)} vs ${flops(s.flops.dense)} dense (prefill)`));
-  if (s.vision_tower) {
-    const v = s.vision_tower;
-    box.append(stat("Vision tower", pct(v.skipped_fraction_all_layers),
-      `of patch-token layer passes skipped (${v.tokens_skipped} of ${v.patch_tokens * r.layers.vision.total})`));
-  }
-  box.dataset.ready = "1";
 }
 
 // ----------------------------------------------------------------------------- wiring
@@ -632,15 +521,16 @@ function init() {
   });
   $("run").addEventListener("click", run);
   $("layer").addEventListener("input", (e) => { state.layer = Number(e.target.value); redraw(); });
-  $("frame").addEventListener("input", (e) => selectFrame(Number(e.target.value)));
-  $("frame-prev").addEventListener("click", () => selectFrame(state.frame - 1));
-  $("frame-next").addEventListener("click", () => selectFrame(state.frame + 1));
+  $("frame").addEventListener("input", (e) => { stopPlaying(); selectFrame(Number(e.target.value)); });
+  $("frame-prev").addEventListener("click", () => { stopPlaying(); selectFrame(state.frame - 1); });
+  $("frame-next").addEventListener("click", () => { stopPlaying(); selectFrame(state.frame + 1); });
+  $("frame-play").addEventListener("click", togglePlay);
   // Arrow keys step through frames (left / right) and layers (up / down) on the picture.
   $("stage").addEventListener("keydown", (e) => {
     if (!state.result) return;
     const layers = currentGrid(state.result.media[state.frame]).masks.length;
-    if (e.key === "ArrowLeft") selectFrame(state.frame - 1);
-    else if (e.key === "ArrowRight") selectFrame(state.frame + 1);
+    if (e.key === "ArrowLeft") { stopPlaying(); selectFrame(state.frame - 1); }
+    else if (e.key === "ArrowRight") { stopPlaying(); selectFrame(state.frame + 1); }
     else if (e.key === "ArrowUp") { state.layer = Math.min(layers, state.layer + 1); redraw(); }
     else if (e.key === "ArrowDown") { state.layer = Math.max(0, state.layer - 1); redraw(); }
     else return;
