@@ -78,15 +78,48 @@ def test_mod_model_reports_capacity_and_fewer_flops(workdir: Path) -> None:
 
     processor = AutoProcessor.from_pretrained(workdir / "mod")
     mod = evaluate(vlmod.load_pretrained(workdir / "mod"), processor, workdir / "data" / "val.json",
-                   batch_size=4, max_new_tokens=3, progress=False, name="mod")
+                   batch_size=4, max_new_tokens=3, progress=False, name="mod", timing_runs=2)
     dense = evaluate(vlmod.load_pretrained(workdir / "dense"), processor, workdir / "data" / "val.json",
                      batch_size=4, max_new_tokens=3, progress=False, name="dense")
     assert set(mod.processed_fraction) == {"language.1", "language.2"}
     assert all(v == pytest.approx(0.5) for v in mod.processed_fraction.values())  # 16 image tokens, k = 8
     assert mod.flops_per_sample < mod.dense_flops_per_sample == pytest.approx(dense.flops_per_sample)
     assert mod.latency_s > 0 and len(mod.samples) == 8
+    # Timed against the same weights run dense, interleaved, with the contention verdict.
+    assert mod.latency["dense_seconds"] > 0 and mod.latency["new_tokens"] == 3 and mod.latency["repeats"] == 2
+    assert isinstance(mod.latency["contended"], bool) and set(mod.latency["spread"]) == {"model", "dense"}
+    assert dense.latency is None and dense.latency_s is None  # timing_runs=0: not timed
     table = format_comparison([mod, dense])
-    assert "mod" in table and "dense" in table and "50.0%" in table
+    assert "mod" in table and "dense" in table and "50.0%" in table and "same weights dense" in table
+
+
+def test_eval_latency_interleaves_dense_and_mod_and_flags_contention(workdir: Path, monkeypatch) -> None:
+    """Before: the two models were timed one after the other, each over its whole evaluation, with
+    no contention check (MoD 264.7 ms against dense 14.2 ms while another job ran)."""
+    from transformers import AutoProcessor
+
+    import vlmod.evaluation.latency as latency
+    from vlmod.bench.timing import Contention
+
+    order: list[str] = []
+    real = latency.time_interleaved
+
+    def recorded(fns, **kwargs):
+        wrapped = {name: (lambda name=name, fn=fn: (order.append(name), fn())) for name, fn in fns.items()}
+        return real(wrapped, **kwargs)
+
+    def busy(timings, **kwargs):
+        repeats = list(range(len(next(iter(timings.values())).wall_s)))
+        return Contention(repeats, True, 1.5, {n: 0.0 for n in timings}, "other processes held 1.50 cores")
+
+    monkeypatch.setattr(latency, "time_interleaved", recorded)
+    monkeypatch.setattr(latency, "contention", busy)
+    processor = AutoProcessor.from_pretrained(workdir / "mod")
+    report = evaluate(vlmod.load_pretrained(workdir / "mod"), processor, workdir / "data" / "val.json", limit=4,
+                      batch_size=4, max_new_tokens=2, progress=False, name="mod", timing_runs=3)
+    assert order == ["model", "dense", "model", "dense", "dense", "model", "model", "dense"]  # warm-up, then A B, B A, A B
+    table = format_comparison([report])
+    assert "(contended)" in table and "mod: latency contended (other processes held 1.50 cores)" in table
 
 
 def test_cli_compare_writes_json(workdir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

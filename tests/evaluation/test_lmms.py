@@ -198,7 +198,7 @@ def test_capacity_and_router_args_and_video(work: Path, tmp_path: Path) -> None:
 
     lm = VLMod(pretrained=str(work / "mod"), capacity=0.25, router="random")
     assert set(vlmod.mod_layers(lm.model).values()) == {0.25}
-    with pytest.raises(TypeError, match="unknown model_args"):
+    with pytest.raises(SystemExit, match="unknown capacty"):
         VLMod(pretrained=str(work / "mod"), capacty=0.25)
 
     tiny.save("llava_next_video", tmp_path / "video", image_size=32, patch_size=8)
@@ -232,3 +232,38 @@ def test_a_family_without_flops_counting_still_reports_its_routing(tmp_path: Pat
     figures = lm.summary()
     assert figures["vlmod_vision_tokens_ran/language.1"] == pytest.approx(0.5)
     assert not any("flops" in key for key in figures)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    ({"pretrained": "/no/such/checkpoint"}, "pretrained=/no/such/checkpoint does not exist"),
+    ({"capacity": "abc"}, "capacity must be a number in (0, 1], got 'abc'"),
+    ({"capacity": 2}, "capacity must be in (0, 1]"),
+    ({"router": "bogus"}, "router must be one of learned, random"),
+    ({"bogus_key": 1}, "unknown bogus_key; accepted: pretrained, capacity"),
+    ({"dtype": "bogus"}, "dtype must be auto or one of"),
+    ({"max_frames": 0}, "max_frames must be a positive integer"),
+])
+def test_bad_model_args_stop_before_loading_in_one_line(work: Path, args: dict, message: str, capsys, monkeypatch) -> None:
+    """Before: each raised an exception that lmms-eval's cli_evaluate printed as a traceback, and the
+    process exited 0 ("module 'torch' has no attribute 'bogus'" for dtype=bogus)."""
+    from vlmod.evaluation.lmms import ModelArgsError, VLMod
+
+    monkeypatch.setattr(vlmod, "load_pretrained", lambda *a, **k: pytest.fail("the checkpoint was loaded"))
+    with pytest.raises(ModelArgsError) as caught:
+        VLMod(**{"pretrained": str(work / "mod"), **args})
+    assert caught.value.code == 2 and isinstance(caught.value, SystemExit)  # not an Exception: lmms-eval cannot swallow it
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and f"error: vlmod model_args: {message}" in err, err
+
+
+def test_the_lmms_eval_command_exits_2_on_a_bad_model_arg(work: Path) -> None:
+    cli = Path(sys.executable).with_name("lmms-eval")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(work / "hf")}
+    run = subprocess.run(
+        [str(cli), "--model", "vlmod", "--model_args", f"pretrained={work / 'mod'},capacity=abc",
+         "--tasks", "vlmod_test_qa", "--include_path", str(work / "tasks"), "--output_path", str(work / "bad")],
+        capture_output=True, text=True, env=env, cwd=work, timeout=600,
+    )
+    assert run.returncode == 2, run.stderr[-3000:]
+    assert "error: vlmod model_args: capacity must be a number in (0, 1], got 'abc'" in run.stderr
+    assert "Traceback" not in run.stderr

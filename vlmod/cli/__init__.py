@@ -7,7 +7,8 @@ name a checkpoint) as defaults; `COMMANDS` lists them. Adding a command is one m
 entry in `COMMANDS`. The flags' value types, shared by every command, are in `vlmod.cli.argtypes`.
 
 Bad input (an unknown model, a capacity outside (0, 1], a malformed flag) ends with a single
-`error: ...` line on stderr and exit status 2, never a traceback. Errors past input validation
+`error: ...` line on stderr and exit status 2, never a traceback; Ctrl-C with one line and status
+130, as a shell reports an interrupted command. Errors past input validation
 are bugs and keep their traceback.
 """
 
@@ -21,7 +22,7 @@ from typing import Any, NoReturn
 from vlmod.cli.argtypes import HelpFormatter
 from vlmod.cli.audit import add_audit_parser
 from vlmod.cli.bench import add_bench_parser
-from vlmod.cli.common import EXIT_USAGE, MODEL_FLAG, SubParsers, UsageError
+from vlmod.cli.common import EXIT_INTERRUPTED, EXIT_USAGE, MODEL_FLAG, SubParsers, UsageError
 from vlmod.cli.convert import add_convert_parser
 from vlmod.cli.data import add_data_parser
 from vlmod.cli.demo import add_demo_parser
@@ -76,9 +77,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UsageError, InputError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except KeyboardInterrupt:
+        # Outputs are written to temp files and renamed into place, so an interrupted command
+        # leaves nothing half-written (finetune says which checkpoint it kept itself).
+        print("error: interrupted (Ctrl-C); nothing was left half-written", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
-__all__ = ["COMMANDS", "EXIT_USAGE", "MODEL_FLAG", "UsageError", "build_parser", "main"]
+__all__ = ["COMMANDS", "EXIT_INTERRUPTED", "EXIT_USAGE", "MODEL_FLAG", "UsageError", "build_parser", "main"]
 
 
 if __name__ == "__main__":

@@ -4,11 +4,16 @@ flags that name a checkpoint, and the value types of `--capacity` / `--layers`."
 from __future__ import annotations
 
 import argparse
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from vlmod.bench import parse_layers
 
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
 # Arguments that name a checkpoint (a local directory or a hub id), as (dest, flag): a command sets
 # `model_flags` and `main` checks them before any work, so that a hub id off the network is one
 # line within seconds (vlmod.io.paths.check_model_arg), not transformers' retry loop.
@@ -42,13 +47,35 @@ def layers(text: str) -> str | list[int]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def write_output(path: str | Path, flag: str, write: Callable[[Path], Any]) -> Path:
+    """`write(path)`, the command's output file, with what a full disk (or a folder gone read-only)
+    does turned into one line: the writers are atomic, so nothing half-written is left at `path`,
+    and the output is written to the temp folder instead when it can be, so an hour of work is not
+    lost for want of space. Returns the path written."""
+    from safetensors import SafetensorError
+
+    target = Path(path).expanduser()
+    try:
+        write(target)
+        return target
+    except (OSError, SafetensorError) as e:
+        reason = getattr(e, "strerror", None) or str(e).splitlines()[0]
+    fallback = Path(tempfile.gettempdir()) / f"vlmod-{os.getpid()}-{target.name}"
+    try:
+        write(fallback)
+        kept = f"it was written to {fallback} instead"
+    except (OSError, SafetensorError):
+        kept = "nothing was written"
+    raise UsageError(f"could not write {flag} {path}: {reason}; {kept} (free space or choose another {flag})")
+
+
 def write_json_result(path: str | None, data: Any) -> None:
     """`--json PATH`: write the command's result there and say so (nothing without the flag)."""
     if path:
         from vlmod.io.files import write_json
 
-        write_json(path, data)
+        write_output(path, "--json", lambda target: write_json(target, data))
         print(f"wrote {path}")
 
 
-__all__ = ["EXIT_USAGE", "MODEL_FLAG", "SubParsers", "UsageError", "capacity", "layers", "write_json_result"]
+__all__ = ["EXIT_INTERRUPTED", "EXIT_USAGE", "MODEL_FLAG", "SubParsers", "UsageError", "capacity", "layers", "write_json_result", "write_output"]

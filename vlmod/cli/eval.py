@@ -9,10 +9,12 @@ from pathlib import Path
 import torch
 
 from vlmod.api import set_capacity
-from vlmod.cli.argtypes import add_dtype_argument, device, fraction, option, positive_int
+from vlmod.cli.argtypes import add_dtype_argument, device, fraction, non_negative_int, option, positive_int
 from vlmod.cli.common import SubParsers, write_json_result
+from vlmod.data import DataError, load_records
 from vlmod.evaluation import evaluate as ev  # looked up at call time: a test may replace a function
-from vlmod.io.paths import check_output_file
+from vlmod.evaluation.latency import TIMING_RUNS
+from vlmod.io.paths import check_not_among, check_output_file
 
 
 def add_eval_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
@@ -48,6 +50,9 @@ def add_evaluate_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     )
     add_dtype_argument(parser)
     parser.add_argument("--strict", action="store_true", help="a missing or corrupt image is an error, not a skip")
+    parser.add_argument("--timing-runs", type=non_negative_int, default=TIMING_RUNS,
+                        help="timed generate runs of each model on the first batch, a MoD model and the same "
+                             f"weights dense interleaved, median shown; 0 = no latency (default: {TIMING_RUNS})")
     parser.add_argument("--json", help="write the reports (every sample included) to this JSON file")
     parser.add_argument("--no-progress", action="store_true")
     parser.set_defaults(run=run_evaluate)
@@ -60,6 +65,12 @@ def run_evaluate(args: argparse.Namespace) -> int:
         raise ev.EvalError(f"data file {args.data} does not exist")
     if args.json:
         check_output_file(args.json, "--json", inputs=[args.model, args.compare, args.data], error=ev.EvalError)
+        try:
+            records = load_records(args.data, args.image_root)
+        except DataError as e:
+            raise ev.EvalError(str(e)) from None
+        media = [p for r in records for p in (*r.images, *([r.video_path] if r.video_path is not None else []))]
+        check_not_among(args.json, "--json", media, ev.EvalError)
     for path in (args.model, args.compare):
         if path is not None:
             ev.check_checkpoint(path, converted=args.capacity is not None and path == args.model)
@@ -73,7 +84,7 @@ def run_evaluate(args: argparse.Namespace) -> int:
         reports.append(ev.evaluate(
             model, processor, args.data, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
             limit=args.limit, progress=not args.no_progress, name=label or default,
-            image_root=args.image_root, strict=args.strict,
+            image_root=args.image_root, strict=args.strict, timing_runs=args.timing_runs,
         ))
         del model
     print(ev.format_comparison(reports))

@@ -8,9 +8,10 @@ import dataclasses
 import sys
 from typing import Any
 
-from vlmod.cli.common import EXIT_USAGE, MODEL_FLAG, SubParsers
+from vlmod.cli.common import EXIT_INTERRUPTED, EXIT_USAGE, MODEL_FLAG, SubParsers
 from vlmod.config import DTYPES
 from vlmod.errors import TrainError
+from vlmod.training.checkpoints import latest_checkpoint
 from vlmod.training.config import LR, PRECISIONS, ROUTER_ONLY_LR, TRACKERS, TRAINABLE, TrainConfig
 from vlmod.training.train import train
 
@@ -85,12 +86,19 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 def run_finetune(args: argparse.Namespace) -> int:
     """Build the config, train, say where the model went; bad input is one `error:` line."""
+    cfg = None
     try:
         cfg = config_from_args(args)
         result = train(cfg, progress=not args.no_progress)
     except TrainError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except KeyboardInterrupt:
+        kept = latest_checkpoint(cfg.output_dir) if cfg is not None else None
+        then = (f"checkpoint {kept.name} is kept: continue with --resume latest" if kept else
+                "no checkpoint was saved yet (set --save-steps to keep some)")
+        print(f"error: interrupted (Ctrl-C); {then}", file=sys.stderr)
+        return EXIT_INTERRUPTED
     if not result.main_process:
         return 0
     summary = f"{result.step} steps in {result.seconds:.0f} s"

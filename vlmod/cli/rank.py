@@ -7,15 +7,17 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from vlmod.cli.argtypes import add_dtype_argument, fraction, non_negative_int, option, positive_int
 from vlmod.cli.argtypes import device as device_type
-from vlmod.cli.common import EXIT_USAGE, MODEL_FLAG, SubParsers
+from vlmod.cli.common import EXIT_USAGE, MODEL_FLAG, SubParsers, UsageError, write_output
 from vlmod.config import MoDConfig
-from vlmod.data.calibration import calibration_batches, calibration_samples
+from vlmod.data.calibration import CalibrationSample, calibration_batches, calibration_samples
 from vlmod.data.llava_format import DataError
+from vlmod.io.hf import max_positions
 from vlmod.tools.arank import check_selection, format_ranks, plot_ranks
 from vlmod.tools.calibrate import RankInputError, load_model, rank_layers
 
@@ -107,9 +109,26 @@ def run_rank(args: argparse.Namespace) -> int:
     """Calibrate, select, write JSON (and PNG); bad input is one `error:` line and status 2."""
     try:
         return _run_rank(args)
-    except (DataError, RankInputError) as e:
+    except (DataError, RankInputError, UsageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
+
+
+def _check_lengths(samples: list[CalibrationSample], processor: Any, positions: int | None) -> None:
+    """RankInputError when a sample's question is more tokens than the model has positions, before
+    any calibration; only a question of more UTF-8 bytes than that is tokenized (a token covers at
+    least one byte)."""
+    if positions is None:
+        return
+    tokenizer = getattr(processor, "tokenizer", processor)
+    for sample in samples:
+        if len(sample.text.encode("utf-8")) > positions:
+            tokens = len(tokenizer(sample.text, add_special_tokens=False)["input_ids"])
+            if tokens > positions:
+                raise RankInputError(
+                    f"sample {sample.id!r}: its question is {tokens:,} tokens, more than the model's {positions:,} "
+                    "positions; shorten it or leave the record out"
+                )
 
 
 def _run_rank(args: argparse.Namespace) -> int:
@@ -123,7 +142,7 @@ def _run_rank(args: argparse.Namespace) -> int:
     model_path = Path(args.model).expanduser()
     if str(args.model).startswith((".", "/", "~")) and not model_path.exists():
         raise RankInputError(f"model path {args.model} does not exist")
-    from vlmod.io.paths import check_output_file
+    from vlmod.io.paths import check_not_among, check_output_file
 
     check_output_file(args.out, "--json", inputs=[args.model, args.data], error=RankInputError)
     if args.plot and not str(args.plot).lower().endswith(".png"):
@@ -131,6 +150,10 @@ def _run_rank(args: argparse.Namespace) -> int:
     if args.plot:
         check_output_file(args.plot, "--plots", inputs=[args.model, args.data], error=RankInputError)
     samples = calibration_samples(args.data, image_root=args.image_root, prompt=args.prompt)
+    media = [p for s in samples for p in (*s.images, *([s.video] if s.video is not None else []))]
+    for path, flag in ((args.out, "--json"), (args.plot, "--plots")):
+        if path:
+            check_not_among(path, flag, media, RankInputError)
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     from transformers.utils import logging as hf_logging
@@ -144,6 +167,7 @@ def _run_rank(args: argparse.Namespace) -> int:
         if args.no_progress and not bars_were_off:
             hf_logging.enable_progress_bar()
 
+    _check_lengths(samples, processor, max_positions(model))
     try:
         spec = find_plugin(model).part_spec(model, args.part, MoDConfig())
     except ValueError as e:  # a part this family cannot route (Qwen's packed vision tower)
@@ -197,11 +221,11 @@ def _run_rank(args: argparse.Namespace) -> int:
         "dtype": str(model.dtype).removeprefix("torch."),
         "seconds": round(seconds, 3),
     }
-    out = ranks.to_json(args.out)
-    print(format_ranks(ranks))
+    print(format_ranks(ranks))  # first: a failed write below still leaves the ranks on screen
+    out = write_output(args.out, "--json", ranks.to_json)
     print(f"{ranks.num_samples} samples in {seconds:.1f} s ({len(batches.skipped)} skipped); wrote {out}")
     if args.plot:
-        print(f"wrote {plot_ranks(ranks, args.plot)}")
+        print(f"wrote {write_output(args.plot, '--plots', lambda path: plot_ranks(ranks, path))}")
     return 0
 
 

@@ -4,12 +4,12 @@ hub checkpoint (`vlmod.models.tiny`)."""
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from vlmod.cli.argtypes import positive_int
 from vlmod.cli.common import SubParsers
 from vlmod.errors import InputError
 from vlmod.io.files import save_pretrained_atomic
+from vlmod.io.paths import check_output_dir
 from vlmod.models.tiny import FAMILIES, VLM_FAMILIES, build, copy_weights
 
 
@@ -58,7 +58,7 @@ def run_tiny(args: argparse.Namespace) -> int:
         raise InputError(f"--image-size ({args.image_size}) must be a multiple of --patch-size ({args.patch_size})")
     if args.vision_width % 4:
         raise InputError(f"--vision-width ({args.vision_width}) must be a multiple of 4 (the tower's heads)")
-    out = Path(args.out).expanduser()
+    out = check_output_dir(args.out, "--out", inputs=[args.init_from])  # a folder we may write, before any work
     if out.exists() and any(out.iterdir()):
         raise InputError(f"{out} exists and is not empty; choose a new --out")
     model, processor = build(
@@ -71,7 +71,14 @@ def run_tiny(args: argparse.Namespace) -> int:
         from vlmod.io.hf import load_pretrained
 
         copy_weights(load_pretrained(args.init_from), model)
-    save_pretrained_atomic(model, processor, out)  # an existing out is empty (checked above)
+    from safetensors import SafetensorError
+
+    try:
+        save_pretrained_atomic(model, processor, out)  # an existing out is empty (checked above)
+    except (OSError, SafetensorError) as e:
+        reason = getattr(e, "strerror", None) or str(e).splitlines()[0]
+        raise InputError(f"could not write --out {out}: {reason}; nothing was written (free space or choose "
+                         "another --out)") from None
     params = sum(p.numel() for p in model.parameters())
     print(f"wrote a tiny {args.family} model ({params / 1e6:.2f} M parameters) to {out}")
     return 0

@@ -112,7 +112,9 @@ class CalibrationBatches:
         if self.seed is not None:
             random.Random(self.seed).shuffle(order)
         self.used, self.skipped = 0, []
-        from vlmod.data.video import load_video
+        from vlmod.data.video import load_video, processor_short_side
+
+        side = processor_short_side(self.processor)  # frames decoded at the size the processor needs
 
         pending: list[CalibrationSample] = []
         images: list[Any] = []
@@ -123,7 +125,7 @@ class CalibrationBatches:
             sample = self.samples[idx]
             try:
                 loaded = [load_image(p) for p in sample.images]
-                clip = [load_video(sample.video).frames] if sample.video is not None else []
+                clip = [load_video(sample.video, short_side=side).frames] if sample.video is not None else []
             except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
                 self.skipped.append((sample.id, f"{type(e).__name__}: {e}"))
                 continue

@@ -39,6 +39,7 @@ from vlmod.data.llava_format import (
     VIDEO_TOKEN,
     DataError,
     LlavaRecord,
+    check_regular_file,
     load_image,
     load_records,
     parse_record,
@@ -93,6 +94,9 @@ class LlavaDataset(torch.utils.data.Dataset):
         replaced by the next one.
     cache: keep each item after its first read, so later epochs skip image decoding and the
         processor (small sets such as the synthetic one; memory grows with the set).
+    max_tokens: the model's positions: a record whose text alone is longer is refused now, in
+        one `DataError` line, before any work (a 1 MB question would otherwise keep a model busy
+        for minutes). None: not checked.
 
     Items: `input_ids`, `attention_mask`, `labels` (1-D) and the processor's media tensors;
     batch them with `dataset.collate`.
@@ -108,6 +112,7 @@ class LlavaDataset(torch.utils.data.Dataset):
         num_frames: int = 8,
         verify: bool = True,
         cache: bool = False,
+        max_tokens: int | None = None,
     ) -> None:
         if isinstance(records, (str, Path)):
             parsed = load_records(records, image_root)
@@ -125,6 +130,9 @@ class LlavaDataset(torch.utils.data.Dataset):
             raise DataError("the processor has no chat template, so prompts cannot be built; set processor.chat_template")
         self.strict = strict
         self.num_frames = num_frames
+        from vlmod.data.video import processor_short_side
+
+        self._frame_side = processor_short_side(processor)  # frames are decoded at the size the processor needs
         self.padding_side = getattr(self.tokenizer, "padding_side", "left") or "left"
         pad = getattr(self.tokenizer, "pad_token_id", None)
         self.pad_token_id = int(pad if pad is not None else (getattr(self.tokenizer, "eos_token_id", None) or 0))
@@ -138,6 +146,8 @@ class LlavaDataset(torch.utils.data.Dataset):
         self._item_cache: dict[int, dict[str, Tensor]] = {}
         for r in parsed:
             last_assistant(to_messages(r), r.id)  # a malformed record is an error, not a skip
+            if max_tokens is not None:
+                self._check_length(r, max_tokens, source)
         self.records: list[LlavaRecord] = []
         for r in parsed:
             try:
@@ -145,8 +155,7 @@ class LlavaDataset(torch.utils.data.Dataset):
                     self._load_media(r)
                 else:
                     for p in self._media_paths(r):
-                        if not Path(p).is_file():
-                            raise FileNotFoundError(f"{p} does not exist")
+                        check_regular_file(p, "image/video")
             except _media_errors() as e:
                 self._skip(r, e)
                 continue
@@ -177,8 +186,8 @@ class LlavaDataset(torch.utils.data.Dataset):
         from vlmod.data.video import load_video
 
         images = [load_image(p) for p in record.images]
-        videos = [to_frame_count(load_video(record.video_path, self.num_frames).frames, self.num_frames)
-                  ] if record.video_path is not None else []
+        videos = [to_frame_count(load_video(record.video_path, self.num_frames, short_side=self._frame_side).frames,
+                                 self.num_frames)] if record.video_path is not None else []
         return images, videos
 
     def _skip(self, record: LlavaRecord, error: BaseException) -> None:
@@ -189,6 +198,20 @@ class LlavaDataset(torch.utils.data.Dataset):
         self.skipped.append(SkippedRecord(id=record.id, path=str(paths[0]) if paths else "", reason=reason))
 
     # -- text ----------------------------------------------------------------------------------
+
+    def _check_length(self, record: LlavaRecord, max_tokens: int, source: str) -> None:
+        """DataError when the record's conversation is more tokens than the model has positions.
+        Only a conversation of more UTF-8 bytes than `max_tokens` is tokenized: a token covers at
+        least one byte, so shorter ones fit (the usual case costs no tokenizing)."""
+        size = sum(len(turn["value"].encode("utf-8")) for turn in record.conversations)
+        if size <= max_tokens:
+            return
+        tokens = len(self._encode_text(record).ids)
+        if tokens > max_tokens:
+            raise DataError(
+                f"{source}: record {record.id!r} is {tokens:,} text tokens, more than the model's {max_tokens:,} "
+                "positions; shorten it or leave the record out"
+            )
 
     def _render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
         return self.processor.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)

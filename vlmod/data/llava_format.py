@@ -29,6 +29,10 @@ HUMAN_ROLES = ("human", "user")
 ASSISTANT_ROLES = ("gpt", "assistant")
 SYSTEM_ROLES = ("system",)
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
+# Largest picture decoded anywhere (pixels of one image or video frame), by the demo, evaluation,
+# fine-tuning and ranking alike: a 500 KB PNG can claim 165 megapixels and decode to gigabytes,
+# so a larger one is refused from its header, before its pixels are decoded.
+MAX_PIXELS = 40_000_000
 
 
 class DataError(ValueError):
@@ -75,6 +79,15 @@ def read_json_records(path: str | Path) -> list[dict[str, Any]]:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
         raise DataError(f"{path} is not UTF-8 text: give a LLaVA-format .json or .jsonl file") from None
+    try:
+        return _parse_records(path, text)
+    except RecursionError:  # json's decoder recurses once per level of nesting
+        raise DataError(
+            f"{path} nests its JSON lists or objects too deeply to read; a LLaVA-format file is a flat list of records"
+        ) from None
+
+
+def _parse_records(path: Path, text: str) -> list[dict[str, Any]]:
     if path.suffix == ".jsonl":
         records = []
         for number, row in enumerate(text.splitlines(), 1):  # the file's line, not the record's
@@ -162,10 +175,46 @@ def list_images(folder: str | Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
 
 
-def load_image(path: str | Path) -> Any:
-    """An RGB `PIL.Image`, fully decoded now so a truncated file fails here and not later in
-    the processor. Raises OSError (missing or unreadable file, not an image)."""
-    from PIL import Image
+def check_regular_file(path: str | Path, what: str = "image") -> Path:
+    """`path` when it is a regular file. A FIFO, a device or a socket is refused from `stat` alone,
+    never opened: opening a FIFO for reading waits for a writer forever. Raises FileNotFoundError
+    (missing) or DataError (not a regular file)."""
+    import stat
 
-    with Image.open(path) as img:
-        return img.convert("RGB")
+    path = Path(path)
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{what} file {path} does not exist") from None
+    if not stat.S_ISREG(mode):
+        kind = "a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "not a regular file"
+        raise DataError(f"{what} path {path} is {kind}; give the path of a {what} file")
+    return path
+
+
+def check_pixels(width: int, height: int, path: str | Path, max_pixels: int = MAX_PIXELS) -> None:
+    """DataError when a picture's header size is over `max_pixels`: refused before decoding."""
+    if width * height > max_pixels:
+        raise DataError(
+            f"{path} is {width}x{height} pixels ({width * height / 1e6:.0f} MP); at most {max_pixels / 1e6:.0f} MP "
+            "are decoded (resize it first)"
+        )
+
+
+def load_image(path: str | Path, max_pixels: int = MAX_PIXELS) -> Any:
+    """An RGB `PIL.Image`, upright and fully decoded now so a truncated file fails here and not
+    later in the processor. Upright: a photo's EXIF orientation is applied (a phone stores a
+    portrait photo as landscape pixels plus a tag), as every viewer shows it. Raises OSError
+    (missing or unreadable file, not an image) or DataError (not a regular file, over
+    `max_pixels`)."""
+    import warnings
+
+    from PIL import Image, ImageOps
+
+    check_regular_file(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # our own limit decides
+        with Image.open(path) as img:
+            check_pixels(*img.size, path, max_pixels)
+            upright = ImageOps.exif_transpose(img)  # reads the tag of the file as opened
+            return upright if upright.mode == "RGB" else upright.convert("RGB")

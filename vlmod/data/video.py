@@ -7,6 +7,11 @@ Sampling:
   `num_frames` when there are more.
 When the clip has fewer frames than asked for, every frame is returned once (T < num_frames):
 nothing is duplicated, so per-frame token counts stay honest.
+
+Frames are scaled by the decoder (decord's width / height, PyAV's reformat), never decoded at
+full size first: `short_side` is the shorter side the consumer needs (a model's processor resizes
+to about that), and the frames x pixels of one clip stay within `max_pixels` (MAX_CLIP_PIXELS).
+A 12-frame 6000x6000 clip is 1.3 GB of RGB at full size, 4 MB at 336 pixels.
 """
 
 from __future__ import annotations
@@ -22,6 +27,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+# Frames x pixels decoded for one clip (8 frames of 1920x1080 fit twice over): the budget of one
+# request or sample, whatever the frame count and the clip's size.
+MAX_CLIP_PIXELS = 32_000_000
 
 
 class VideoError(ValueError):
@@ -59,23 +68,67 @@ def sample_indices(total: int, num_frames: int, sample: str = "uniform", fps: fl
     raise ValueError(f"sample must be 'uniform' or 'fps', got {sample!r}")
 
 
-def load_video(path: str | Path, num_frames: int = 8, sample: str = "uniform", fps: float | None = None) -> Video:
-    """Decode `num_frames` frames of `path` (see the module doc for sampling)."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"video file {path} does not exist")
+def decode_size(
+    width: int, height: int, frames: int, short_side: int | None = None, max_pixels: int = MAX_CLIP_PIXELS
+) -> tuple[int, int]:
+    """(width, height) to decode `frames` frames of a `width` x `height` clip at: scaled down (never
+    up) so the shorter side is at most `short_side` and frames x pixels at most `max_pixels`,
+    aspect kept, sides even (what the scalers want)."""
+    scale = 1.0
+    if short_side is not None and min(width, height) > short_side:
+        scale = short_side / min(width, height)
+    budget = max_pixels / max(frames, 1)
+    if width * height * scale * scale > budget:
+        scale = (budget / (width * height)) ** 0.5
+    if scale >= 1.0:
+        return width, height
+    return max(2, int(width * scale) // 2 * 2), max(2, int(height * scale) // 2 * 2)
+
+
+def processor_short_side(processor: Any) -> int | None:
+    """The shorter side a clip's frames need for `processor` (a multimodal processor, or its video
+    / image processor): the largest size its settings name (`shortest_edge`, `height` / `width`,
+    `longest_edge`, `crop_size`), so decoding at it loses nothing the processor keeps. None when
+    it names none (decode at full size, within the budget)."""
+    subs = [getattr(processor, a, None) for a in ("video_processor", "image_processor")]
+    sub = next((p for p in subs if p is not None), processor)
+    sides = []
+    for setting in (getattr(sub, "size", None), getattr(sub, "crop_size", None)):
+        for key in ("shortest_edge", "height", "width", "longest_edge"):
+            value = setting.get(key) if isinstance(setting, dict) else getattr(setting, key, None)
+            if isinstance(value, (int, float)) and value > 0:
+                sides.append(int(value))
+    return max(sides) if sides else None
+
+
+def load_video(
+    path: str | Path,
+    num_frames: int = 8,
+    sample: str = "uniform",
+    fps: float | None = None,
+    *,
+    short_side: int | None = None,
+    max_pixels: int = MAX_CLIP_PIXELS,
+) -> Video:
+    """Decode `num_frames` frames of `path` (see the module doc for sampling), scaled by the decoder
+    to `decode_size(short_side, max_pixels)`."""
+    from vlmod.data.llava_format import check_regular_file
+
+    path = check_regular_file(path, "video")
     if fps is not None and sample == "uniform":
         sample = "fps"
-    _check_claims(path)
+    header = _check_claims(path)
+    size = decode_size(*header, num_frames, short_side, max_pixels) if header else None
     try:
         import decord
     except ImportError:
-        return _load_with_av(path, num_frames, sample, fps)
+        return _load_with_av(path, num_frames, sample, fps, short_side, max_pixels)
     decord.bridge.set_bridge("native")
     decord.logging.set_level(decord.logging.QUIET)  # ffmpeg's own log lines
+    scaled = {"width": size[0], "height": size[1]} if size is not None and size != header else {}
 
     def open_reader() -> tuple[Any, int, float]:
-        reader = decord.VideoReader(str(path), ctx=decord.cpu(0))
+        reader = decord.VideoReader(str(path), ctx=decord.cpu(0), **scaled)
         return reader, len(reader), float(reader.get_avg_fps() or 0.0)
 
     # decord raises its own DECORDError, RuntimeError, ...
@@ -93,29 +146,36 @@ def load_video(path: str | Path, num_frames: int = 8, sample: str = "uniform", f
     if reason is not None:
         raise VideoError(f"could not decode frames of {path}: the file is corrupt ({reason})")
     frames, stamps = decoded
+    if header is None and frames.size > max_pixels * 3:  # no header to scale from: the budget still holds
+        raise VideoError(f"could not use {path}: {len(frames)} frames of {frames.shape[2]}x{frames.shape[1]} "
+                         f"pixels are over the {max_pixels:,}-pixel budget of a clip; ask for fewer frames")
     return Video(frames=frames, timestamps=stamps.astype(np.float64), fps=video_fps, total_frames=total)
 
 
-def _check_claims(path: Path) -> None:
+def _check_claims(path: Path) -> tuple[int, int] | None:
     """Refuse a file whose container claims more frames than it has bytes, before decord reads it:
     decord sizes its frame index from the claim, and a 5 KB mp4 whose `stts` box claims two billion
     frames makes it abort the whole process (std::bad_alloc, not catchable from Python). PyAV reads
-    the claim without building that index."""
+    the claim without building that index. Returns the frame size (width, height) the headers give,
+    None when PyAV is missing or cannot tell."""
     try:
         import av
     except ImportError:  # nothing to check with: decord's own handling
-        return
+        return None
     try:
         with av.open(str(path)) as container:
             claimed = max((int(s.frames or 0) for s in container.streams.video), default=0)
+            ctx = container.streams.video[0].codec_context if container.streams.video else None
+            header = (int(ctx.width or 0), int(ctx.height or 0)) if ctx is not None else (0, 0)
     except (av.error.FFmpegError, OSError, ValueError):
-        return  # unreadable to PyAV too: decord gives the reason
+        return None  # unreadable to PyAV too: decord gives the reason
     size = path.stat().st_size
     if claimed > size:
         raise VideoError(
             f"could not read {path}: its header claims {claimed:,} frames in {size:,} bytes (a damaged or "
             "forged file); re-encode it, e.g. ffmpeg -i IN -c:v libx264 OUT.mp4"
         )
+    return header if min(header) > 0 else None
 
 
 def _quietly(fn: Callable[[], Any]) -> tuple[Any, str | None]:
@@ -162,8 +222,11 @@ def _reason(err: BaseException, log: list[str]) -> str:
     return type(err).__name__
 
 
-def _load_with_av(path: Path, num_frames: int, sample: str, fps: float | None) -> Video:
-    """Fallback where decord has no wheel (e.g. aarch64): decode every frame with PyAV."""
+def _load_with_av(
+    path: Path, num_frames: int, sample: str, fps: float | None, short_side: int | None, max_pixels: int
+) -> Video:
+    """Fallback where decord has no wheel (e.g. aarch64): PyAV decodes every frame, and keeps the
+    sampled ones, scaled by its reformat (`decode_size`)."""
     import av
 
     try:
@@ -172,10 +235,20 @@ def _load_with_av(path: Path, num_frames: int, sample: str, fps: float | None) -
                 raise VideoError(f"could not read {path}: it has no video stream")
             stream = container.streams.video[0]
             video_fps = float(stream.average_rate or 0.0)
-            decoded = [(f.to_ndarray(format="rgb24"), float(f.time or 0.0)) for f in container.decode(stream)]
+            total = int(stream.frames or 0)
+            keep = set(sample_indices(total, num_frames, sample, fps, video_fps).tolist()) if total > 0 else None
+            width, height = decode_size(stream.codec_context.width, stream.codec_context.height, num_frames,
+                                        short_side, max_pixels)
+            decoded = [
+                (f.reformat(width=width, height=height, format="rgb24").to_ndarray() if keep is None or i in keep
+                 else None, float(f.time or 0.0))
+                for i, f in enumerate(container.decode(stream))
+            ]
     except av.error.FFmpegError as err:
         raise VideoError(f"could not read {path}: not a readable video ({err})") from None
     idx = sample_indices(len(decoded), num_frames, sample, fps, video_fps)
+    if any(decoded[i][0] is None for i in idx):  # the header's frame count was wrong
+        raise VideoError(f"could not read {path}: it has {len(decoded)} frames, its header claims {total}")
     frames = np.stack([decoded[i][0] for i in idx])
     stamps = np.array([decoded[i][1] for i in idx], dtype=np.float64)
     return Video(frames=frames, timestamps=stamps, fps=video_fps, total_frames=len(decoded))

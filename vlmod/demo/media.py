@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import gc
+import math
 import re
 import warnings
 from collections.abc import Callable
@@ -24,15 +25,18 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from PIL import Image
+from PIL import Image, ImageOps
 
-# Largest picture decoded (pixels of one image or video frame): larger ones are refused before
-# decoding so a small compressed upload cannot expand into gigabytes (a "decompression bomb").
-MAX_PIXELS = 40_000_000
+from vlmod.data.llava_format import MAX_PIXELS  # one limit for the demo, evaluation, fine-tuning and ranking
+from vlmod.data.video import MAX_CLIP_PIXELS
+
 # Longest side / shortest side of a picture: a panorama passes, a 1-pixel line does not.
 MAX_ASPECT = 20.0
 # Pixels of a picture once the model's processor has resized it (float32 RGB: 12 bytes a pixel).
 MAX_RESIZED_PIXELS = 8_000_000
+# Video frames are decoded at the size the processor needs, but no smaller than this shorter side:
+# the page shows the frames too (a 1280x720 clip is decoded as it is, a 6000x6000 one at 720x720).
+SHOWN_SHORT_SIDE = 720
 
 # (width, height) -> pixels of that picture after the model's processor resized it.
 ResizedPixels = Callable[[int, int], int]
@@ -183,7 +187,10 @@ def decode_image(path: Path, max_pixels: int = MAX_PIXELS, **shape: Any) -> Imag
         check_shape(width, height, "image", max_pixels=max_pixels, **shape)
         try:
             img.seek(0)  # first frame of an animated GIF / WebP
-            rgb = img.convert("RGB")
+            # Upright, as every viewer shows it: a phone stores a portrait photo as landscape pixels
+            # plus an EXIF orientation tag.
+            upright = ImageOps.exif_transpose(img)
+            rgb = upright if upright.mode == "RGB" else upright.convert("RGB")
             rgb.load()
         except (OSError, ValueError, SyntaxError) as err:
             raise MediaError(f"the image is corrupt and could not be decoded ({err})") from None
@@ -208,6 +215,15 @@ def video_frame_size(path: Path) -> tuple[int, int] | None:
     return (width, height) if width > 0 and height > 0 else None
 
 
+def _short_side(width: int, height: int, resized_pixels: ResizedPixels | None) -> int:
+    """The shorter side to decode a `width` x `height` clip's frames at: what the model's processor
+    resizes them to, or SHOWN_SHORT_SIDE for the page when that is more."""
+    need = min(width, height)
+    if resized_pixels is not None:
+        need = math.ceil(min(width, height) * math.sqrt(resized_pixels(width, height) / (width * height)))
+    return max(need, SHOWN_SHORT_SIDE)
+
+
 def decode_video(path: Path, num_frames: int, max_pixels: int = MAX_PIXELS, **shape: Any) -> Media:
     """`num_frames` frames sampled uniformly from the video in `path` (vlmod.data.video); a video whose
     headers give frames over `max_pixels` or of a shape `check_shape(**shape)` refuses is refused
@@ -215,10 +231,14 @@ def decode_video(path: Path, num_frames: int, max_pixels: int = MAX_PIXELS, **sh
     from vlmod.data.video import VideoError, load_video
 
     size = video_frame_size(path)
+    side = None
     if size is not None:
         check_shape(size[0], size[1], "video", max_pixels=max_pixels, **shape)
+        side = _short_side(size[0], size[1], shape.get("resized_pixels"))
     try:
-        video = load_video(path, num_frames=num_frames)
+        # Scaled by the decoder, within MAX_CLIP_PIXELS for all frames together: a 12-frame
+        # 6000x6000 clip is decoded at 720x720, not as 1.3 GB of full-size frames.
+        video = load_video(path, num_frames=num_frames, short_side=side, max_pixels=MAX_CLIP_PIXELS)
     except VideoError as err:
         # Without the temp path and the native decoder's "[time] file.cc:line:" log prefixes.
         detail = re.sub(r"\[[^\]]*\]\s*\S+:\d+:\s*", "", str(err).replace(str(path), "the file"))

@@ -5,13 +5,13 @@ Per sample: the greedy answer to the record's last question, scored by normalise
 the answer: `vlmod.data.answers.is_correct`), and the answer loss (teacher-forced mean NLL of the reference answer tokens). Per
 model: accuracy (overall and by the record's `meta.type`), the mean fraction of routable tokens
 each MoD layer processed, prefill FLOPs per sample against the same model run dense, and
-generation latency. `format_comparison` puts several models side by side, dense and MoD.
+generation latency against the same weights run dense, the two interleaved and a contended figure
+flagged (`vlmod.evaluation.latency`). `format_comparison` puts several models side by side.
 """
 
 from __future__ import annotations
 
 import math
-import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -26,6 +26,7 @@ from vlmod.data import DataError, LlavaDataset, collate, load_records
 from vlmod.data.answers import answer_mask, is_correct
 from vlmod.errors import InputError
 from vlmod.evaluation.frontier import paired_gap
+from vlmod.evaluation.latency import time_generation
 from vlmod.io.tables import format_table
 from vlmod.routing.trace import find_parts, trace_routing
 from vlmod.tools.cache import generate_cache
@@ -60,8 +61,9 @@ class EvalReport:
     dense_flops_per_sample: float = 0.0
     flops_by_part: dict[str, float] = field(default_factory=dict)  # per sample: vision, language
     dense_flops_by_part: dict[str, float] = field(default_factory=dict)
-    latency_s: float = 0.0
+    latency_s: float | None = None  # per sample, `latency` (None: not timed)
     skipped: int = 0
+    latency: dict[str, Any] | None = None  # `Latency.to_dict()`: the dense twin, contention, spread
 
     @property
     def mean_processed_fraction(self) -> float:
@@ -114,7 +116,8 @@ def greedy_generate(model: nn.Module, inputs: dict[str, Tensor], max_new_tokens:
 
 
 def _dataset(
-    data: Any, processor: Any, image_root: str | Path | None, strict: bool, limit: int | None, num_frames: int | None
+    data: Any, processor: Any, image_root: str | Path | None, strict: bool, limit: int | None, num_frames: int | None,
+    max_tokens: int | None = None,
 ) -> Any:
     """The dataset to evaluate. From a path with `limit`, only the first `limit` records are read
     and their images checked: a short run on a large set does not decode every image first."""
@@ -124,7 +127,9 @@ def _dataset(
     if not path.is_file():
         raise EvalError(f"data file {data} does not exist")
     try:
-        frames = {} if num_frames is None else {"num_frames": num_frames}
+        frames: dict[str, Any] = {"max_tokens": max_tokens}
+        if num_frames is not None:
+            frames["num_frames"] = num_frames
         if limit is None:
             return LlavaDataset(path, processor, image_root, strict=strict, **frames)
         records = load_records(path, image_root)[:limit]
@@ -153,11 +158,6 @@ def _encode(ds: Any, records: Sequence[Any], strict: bool) -> tuple[list[Any], l
     return kept, items, prompts, failed
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _to(batch: dict[str, Tensor], device: torch.device) -> dict[str, Tensor]:
     return {k: v.to(device) if isinstance(v, Tensor) else v for k, v in batch.items()}
 
@@ -178,6 +178,7 @@ def evaluate(
     generate: Generate = greedy_generate,
     num_frames: int | None = None,
     flops_fn: Flops = generation_flops,
+    timing_runs: int = 0,
 ) -> EvalReport:
     """Evaluate `model` on `data` (a LlavaDataset or a LLaVA-format JSON path); see the module doc.
 
@@ -185,10 +186,15 @@ def evaluate(
     default), replaceable for other decoding or for tests. `num_frames`: frames sampled from each
     video (None: the dataset's default, 8). `flops_fn(model, inputs, prefill trace or None)` counts
     prefill FLOPs per sequence by part; a method that changes the inputs (pre-LLM reduction)
-    passes its own, so its overhead and its shorter sequences are what is counted."""
+    passes its own, so its overhead and its shorter sequences are what is counted. `timing_runs`:
+    interleaved repeats of the latency timing on the first batch's prompts (0: not timed).
+
+    A record whose text is longer than the model's positions is refused before any work."""
     from tqdm.auto import tqdm
 
-    ds = _dataset(data, processor, image_root, strict, limit, num_frames)
+    from vlmod.io.hf import max_positions
+
+    ds = _dataset(data, processor, image_root, strict, limit, num_frames, max_positions(model))
     tokenizer = getattr(processor, "tokenizer", processor)
     model.eval()
     device = next(model.parameters()).device
@@ -196,11 +202,11 @@ def evaluate(
     n = len(ds.records) if limit is None else min(limit, len(ds.records))
     samples: list[SampleResult] = []
     routed: dict[str, Tensor] = {}
-    flops = dense_flops = seconds = 0.0
+    flops = dense_flops = 0.0
+    timed: dict[str, Tensor] | None = None  # the first batch's prompts: the latency timing's inputs
     parts_flops: dict[str, float] = defaultdict(float)
     dense_parts_flops: dict[str, float] = defaultdict(float)
     failed: list[str] = []
-    warmed_up = False
     bar = tqdm(total=n, desc=f"eval {name}", unit="sample", disable=not progress)
     for start in range(0, n, batch_size):
         records, items, prompts, lost = _encode(ds, ds.records[start:min(start + batch_size, n)], strict)
@@ -223,16 +229,8 @@ def evaluate(
         # whatever the tokenizer's padding side: right padding would put pad tokens between a
         # prompt and its answer.
         inputs = _to(collate([p.inputs for p in prompts], ds.pad_token_id, "left"), device)
-        if not warmed_up:
-            # Untimed: kernel selection and allocator start-up would otherwise land on the first
-            # batch of whichever model is evaluated first.
-            model.generate(**inputs, max_new_tokens=1, do_sample=False)
-            warmed_up = True
-        _sync(device)
-        began = time.perf_counter()
-        new_tokens = generate(model, inputs, max_new_tokens)  # untraced: the trace's bookkeeping is not timed
-        _sync(device)
-        seconds += time.perf_counter() - began
+        timed = inputs if timed is None else timed
+        new_tokens = generate(model, inputs, max_new_tokens)
         prefill = _prefill_trace(model, inputs) if parts else None
         rows = len(records)
         counted, dense_counted = flops_fn(model, inputs, prefill), generation_flops(model, inputs, None)
@@ -255,6 +253,7 @@ def evaluate(
     bar.close()
     if not samples:
         raise EvalError(f"no sample to evaluate in {data}")
+    latency = time_generation(model, timed, max_new_tokens, timing_runs) if timing_runs > 0 and timed else None
     by_type: dict[str, list[bool]] = defaultdict(list)
     for s in samples:
         if s.question_type is not None:
@@ -270,8 +269,9 @@ def evaluate(
         dense_flops_per_sample=dense_flops / len(samples),
         flops_by_part={k: v / len(samples) for k, v in parts_flops.items()},
         dense_flops_by_part={k: v / len(samples) for k, v in dense_parts_flops.items()},
-        latency_s=seconds / len(samples),
+        latency_s=latency.seconds if latency else None,
         skipped=len(ds.skipped) + len(failed),
+        latency=latency.to_dict() if latency else None,
     )
 
 
@@ -303,10 +303,33 @@ def format_comparison(reports: Sequence[EvalReport]) -> str:
         ["routable tokens processed", *(f"{100 * r.mean_processed_fraction:.1f}%" for r in reports)],
         ["GFLOPs / sample (prefill)", *(f"{r.flops_per_sample / 1e9:.4g}" for r in reports)],
         ["  vs dense", *(f"{r.flops_per_sample / r.dense_flops_per_sample:.3f}x" if r.dense_flops_per_sample else "-" for r in reports)],
-        ["latency / sample", *(f"{1e3 * r.latency_s:.1f} ms" for r in reports)],
+        *_latency_rows(reports),
         ["samples (skipped)", *(f"{len(r.samples)} ({r.skipped})" for r in reports)],
     ]
-    return format_table(["", *(r.name for r in reports)], rows)
+    table = format_table(["", *(r.name for r in reports)], rows)
+    notes = [f"{r.name}: latency contended ({r.latency['reason']}): the figures are unreliable, rerun on a quiet "
+             "machine" for r in reports if r.latency and r.latency["contended"]]
+    return "\n".join([table, *notes])
+
+
+def _latency_rows(reports: Sequence[EvalReport]) -> list[list[str]]:
+    """Latency per sample, and the same weights run dense, interleaved with it (`vlmod.evaluation.latency`);
+    a contended figure is marked so."""
+    timed = [r.latency for r in reports]
+    if not any(timed):
+        return [["latency / sample", *("-" for _ in reports)]]
+    tokens = next(t["new_tokens"] for t in timed if t)
+
+    def ms(t: dict[str, Any] | None, key: str) -> str:
+        if not t or t[key] is None:
+            return "-"
+        return f"{1e3 * t[key]:.1f} ms" + (" (contended)" if t["contended"] else "")
+
+    return [
+        [f"latency / sample ({tokens} tokens)", *(ms(t, "seconds") for t in timed)],
+        ["  same weights dense", *(ms(t, "dense_seconds") for t in timed)],
+        ["  speedup over dense", *(f"{t['speedup']:.2f}x" if t and t["speedup"] else "-" for t in timed)],
+    ]
 
 
 def paired_gap_line(a: EvalReport, b: EvalReport) -> str:

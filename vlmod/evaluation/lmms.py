@@ -14,6 +14,10 @@ figure a model logs with `avg_`): `vlmod_prefill_flops_per_sample` and
 families), their ratio, and `vlmod_vision_tokens_ran` (the mean over MoD layers of the fraction of
 image/video tokens the layer ran; 1.0 for a dense model) with one `vlmod_vision_tokens_ran/PART.LAYER`
 per layer. For generation they describe the prefill (the first forward of `generate`).
+
+Every `model_args` value is checked before anything loads (`check_model_args`): a bad one stops
+the command with one `error:` line and status 2 (`ModelArgsError`), where lmms-eval itself would
+print the traceback of any exception a model raises and exit 0.
 """
 
 from __future__ import annotations
@@ -31,11 +35,14 @@ from loguru import logger
 from tqdm.auto import tqdm
 
 import vlmod
-from vlmod.config import TokenType
+from vlmod.config import DTYPES, ROUTERS, TokenType
+from vlmod.errors import InputError, brief
 from vlmod.plugins import llava as llava_plugin
 from vlmod.tools.cache import generate_cache
 
 MODEL_ID = "vlmod"
+MODEL_ARGS = ("pretrained", "capacity", "router", "device", "dtype", "batch_size", "max_frames", "max_new_tokens",
+              "max_batch_size")
 _VISION = (int(TokenType.IMAGE), int(TokenType.VIDEO))
 
 
@@ -70,6 +77,79 @@ def pick_device(device: str | None) -> torch.device:
     return chosen
 
 
+class ModelArgsError(SystemExit):
+    """A bad `--model_args` value. lmms-eval's `cli_evaluate` catches every `Exception` a model
+    raises, prints its traceback and exits 0; this one passes through (a `SystemExit`), so the
+    command stops with its one `error:` line and status 2."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _refuse(message: str) -> ModelArgsError:
+    import sys
+
+    print(f"error: vlmod model_args: {message}", file=sys.stderr, flush=True)
+    return ModelArgsError(message)
+
+
+def _positive_int(name: str, value: Any) -> int:
+    try:
+        number = int(str(value))
+    except ValueError:
+        raise _refuse(f"{name} must be a positive integer, got {brief(value)}") from None
+    if number < 1:
+        raise _refuse(f"{name} must be a positive integer, got {brief(value)}")
+    return number
+
+
+def check_model_args(
+    pretrained: Any, capacity: Any, router: Any, device: Any, dtype: Any, max_frames: Any, max_new_tokens: Any,
+    unknown: dict[str, Any],
+) -> tuple[float | None, int, int]:
+    """Every `model_args` value checked before anything loads, each bad one a `ModelArgsError`
+    (printed as one line); returns (capacity, max_frames, max_new_tokens) as numbers."""
+    if unknown:
+        raise _refuse(f"unknown {', '.join(sorted(unknown))}; accepted: {', '.join(MODEL_ARGS[:-1])}")
+    if not pretrained:
+        raise _refuse("pretrained=DIR is required (a vlmod or Hugging Face checkpoint folder, or a hub id)")
+    from vlmod.io.paths import check_model_arg
+
+    local = Path(str(pretrained)).expanduser()
+    try:
+        if local.exists():
+            if not (local / "config.json").is_file():
+                raise _refuse(f"pretrained={pretrained} is not a model folder (no config.json)")
+        elif str(pretrained).startswith((".", "/", "~")) or str(pretrained).count("/") > 1:
+            raise _refuse(f"pretrained={pretrained} does not exist")
+        else:
+            check_model_arg(str(pretrained), "pretrained=")
+    except InputError as e:
+        raise _refuse(str(e)) from None
+    value = None
+    if capacity is not None:
+        try:
+            value = float(str(capacity))
+        except ValueError:
+            raise _refuse(f"capacity must be a number in (0, 1], got {brief(capacity)}") from None
+        if not 0.0 < value <= 1.0:
+            raise _refuse(f"capacity must be in (0, 1] (the fraction of vision tokens a MoD layer runs), got {value:g}")
+    if router is not None and str(router) not in ROUTERS:
+        raise _refuse(f"router must be one of {', '.join(ROUTERS)}, got {brief(router)}")
+    if dtype is not None and str(dtype) != "auto" and str(dtype) not in DTYPES:
+        raise _refuse(f"dtype must be auto or one of {', '.join(DTYPES)}, got {brief(dtype)}")
+    if device not in (None, "", "auto"):
+        try:
+            torch.device(str(device))
+        except (RuntimeError, ValueError):
+            raise _refuse(f"device must be auto, cpu, cuda or cuda:N, got {brief(device)}") from None
+    return value, _positive_int("max_frames", max_frames), _positive_int("max_new_tokens", max_new_tokens)
+
+
 class VLMod(lmms):
     """A vlmod checkpoint for lmms-eval; see the module doc."""
 
@@ -87,11 +167,11 @@ class VLMod(lmms):
         **unknown: Any,
     ) -> None:
         super().__init__()
-        if unknown:
-            raise TypeError(
-                f"vlmod: unknown model_args {sorted(unknown)}; accepted: pretrained, capacity, router, device, "
-                "dtype, batch_size, max_frames, max_new_tokens"
-            )
+        capacity, max_frames, max_new_tokens = check_model_args(
+            pretrained, capacity, router, device, dtype, max_frames, max_new_tokens, unknown
+        )
+        if not str(batch_size).startswith("auto"):
+            _positive_int("batch_size", batch_size)
         from transformers import AutoProcessor
 
         from vlmod.io.hf import check_finite, loading_kwargs
@@ -101,8 +181,11 @@ class VLMod(lmms):
             loading = loading_kwargs(dtype or "auto", self.device)
         except ValueError as e:
             raise ValueError(f"vlmod: model_args {e}") from None
-        self.model = vlmod.load_pretrained(pretrained, **loading)
-        check_finite(self.model, pretrained)
+        try:
+            self.model = vlmod.load_pretrained(pretrained, **loading)
+            check_finite(self.model, pretrained)
+        except InputError as e:  # a damaged checkpoint, a family vlmod does not know: also one line
+            raise _refuse(str(e)) from None
         if capacity is not None:
             vlmod.set_capacity(self.model, float(capacity))
         if router is not None:
@@ -144,11 +227,12 @@ class VLMod(lmms):
 
     def _video(self, path: str | Path) -> Any:
         from vlmod.data.collate import to_frame_count
-        from vlmod.data.video import load_video
+        from vlmod.data.video import load_video, processor_short_side
 
         if getattr(self.processor, "video_processor", None) is None:
             raise ValueError(f"vlmod: {type(self.model).__name__} takes no video ({path}); use a video checkpoint")
-        return to_frame_count(load_video(path, self.max_frames).frames, self.max_frames)
+        side = processor_short_side(self.processor)  # frames decoded at the size the processor needs
+        return to_frame_count(load_video(path, self.max_frames, short_side=side).frames, self.max_frames)
 
     def _prompt(self, context: str, n_images: int, n_videos: int) -> str:
         """The user turn through the processor's chat template, ending with the assistant prefix.

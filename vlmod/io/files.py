@@ -94,9 +94,13 @@ def save_pretrained_atomic(model: Any, processor: Any, folder: str | os.PathLike
     folder = Path(folder)
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    align_folder(tmp)  # loading maps the weights and computes what was saved, bit for bit
-    processor.save_pretrained(tmp)
+    try:
+        model.save_pretrained(tmp)
+        align_folder(tmp)  # loading maps the weights and computes what was saved, bit for bit
+        processor.save_pretrained(tmp)
+    except BaseException:  # a full disk, Ctrl-C: no half-written folder left behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)
     return folder
@@ -119,7 +123,11 @@ def read_yaml_mapping(path: str | Path, error: type[Exception]) -> dict[str, Any
     p = Path(path).expanduser()
     if not p.is_file():
         raise error(f"config file {path} does not exist")
-    loader = yaml.SafeLoader(p.read_text())
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise error(f"{path} is not UTF-8 text (byte {e.start} is not); save the config as UTF-8 YAML") from None
+    loader = yaml.SafeLoader(text)
     try:
         node = loader.get_single_node()
         if node is not None and _expanded_values(node, MAX_YAML_VALUES) > MAX_YAML_VALUES:

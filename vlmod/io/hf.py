@@ -91,7 +91,22 @@ def _from_pretrained(cls: type, path: str | Path, kwargs: dict[str, Any]) -> tup
     except OSError as e:
         if "unable to load weights" in str(e).lower() or "truncated" in str(e).lower():
             raise CheckpointError(f"{path}: the weights could not be read ({str(e).splitlines()[0][:200]})") from None
+        folder = Path(path).expanduser()
+        if folder.is_dir() and not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
+            raise CheckpointError(
+                f"{path} has no weights file (model.safetensors); copy the whole checkpoint folder, or convert / "
+                "save it again"
+            ) from None
         raise
+
+
+def max_positions(config: Any) -> int | None:
+    """How many positions the language model of a model (or config) has, None when it does not
+    say: a longer prompt is refused before any work."""
+    config = getattr(config, "config", config)
+    text = getattr(config, "text_config", None) or config
+    value = getattr(text, "max_position_embeddings", None)
+    return int(value) if isinstance(value, int) and value > 0 else None
 
 
 def _zero_missing_routers(model: nn.Module, missing: list[str], path: str | Path) -> None:

@@ -114,6 +114,23 @@ def check_output_dir(
     return p
 
 
+def check_not_among(
+    path: str | os.PathLike[str],
+    flag: str,
+    files: Iterable[str | os.PathLike[str]],
+    error: type[Exception] = InputError,
+) -> None:
+    """`error` when the output `path` is one of `files`, the inputs a data file points to (the
+    images and videos of its records): writing there would destroy a training image."""
+    target = Path(path).expanduser().resolve()
+    if not target.exists():
+        return
+    for source in files:
+        if Path(source).expanduser().resolve() == target:
+            raise error(f"{flag} {path} is an input the data points to; writing there would destroy it, "
+                        "choose another path")
+
+
 # ----------------------------------------------------------------------------- hub ids
 
 
@@ -224,6 +241,6 @@ def resolve_checkpoint(arg: str | os.PathLike[str], flag: str) -> Path | str:
 
 
 __all__ = [
-    "check_hub_id", "check_model_arg", "check_output_dir", "check_output_file", "hub_offline", "hub_reachable",
+    "check_hub_id", "check_model_arg", "check_not_among", "check_output_dir", "check_output_file", "hub_offline", "hub_reachable",
     "in_hub_cache", "is_repo_id", "looks_like_hub_id", "resolve_checkpoint",
 ]

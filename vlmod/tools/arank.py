@@ -25,9 +25,8 @@ Measuring them on a model (hooks, calibration batches, a checkpoint) is `vlmod.t
 
 from __future__ import annotations
 
+import io
 import json
-import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +34,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from vlmod.io.files import write_bytes_atomic, write_json
 
 FORMAT = "vlmod.tools.arank/1"
 EPS32 = float(torch.finfo(torch.float32).eps)
@@ -233,16 +234,7 @@ class LayerRanks:
         """Write the ranks as JSON, atomically (a temp file replaced into place), so a crash or a
         full disk never leaves a half-written file where a previous run's ranks were."""
         path = Path(path).expanduser()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(self.to_dict(), f, indent=2)
-                f.write("\n")
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_json(path, self.to_dict())
         return path
 
     @classmethod
@@ -252,6 +244,8 @@ class LayerRanks:
             d = json.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as e:
             raise ValueError(f"{path} is not valid JSON: {e.msg} at line {e.lineno}") from None
+        except RecursionError:
+            raise ValueError(f"{path} is not a ranks JSON file (nested too deeply to read)") from None
         except UnicodeDecodeError:
             raise ValueError(f"{path} is not a ranks JSON file (not UTF-8 text); give the ranks.json of `vlmod rank`") from None
         except OSError as e:
@@ -301,9 +295,10 @@ def plot_ranks(ranks: LayerRanks, path: str | Path, suggested: Sequence[int] | N
         fontsize=8,
     )
     fig.tight_layout()
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=120)
     path = Path(path).expanduser()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    write_bytes_atomic(path, png.getvalue())  # a full disk leaves no 0-byte or half-written PNG
     return path
 
 

@@ -238,10 +238,23 @@ def save_checkpoint(accelerator: Any, cfg: TrainConfig, state: dict[str, Any]) -
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
-    accelerator.wait_for_everyone()
+    from safetensors import SafetensorError
+
+    try:
+        accelerator.save_state(str(tmp))
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            write_json(tmp / STATE_FILE, {**state, "run": run_settings(cfg)})
+    except (OSError, SafetensorError) as e:  # a full disk: the half-written step is removed, the older ones kept
+        shutil.rmtree(tmp, ignore_errors=True)
+        reason = getattr(e, "strerror", None) or str(e).splitlines()[0]
+        kept = latest_checkpoint(cfg.output_dir)
+        then = f"then continue with --resume latest (checkpoint {kept.name} is kept)" if kept else "then run again"
+        raise TrainError(
+            f"could not save checkpoint {final.name} to {root}: {reason}; free space or fix the folder's permissions, "
+            f"{then}"
+        ) from None
     if accelerator.is_main_process:
-        write_json(tmp / STATE_FILE, {**state, "run": run_settings(cfg)})
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         if cfg.save_total_limit:

@@ -26,6 +26,7 @@ from torch import nn
 from vlmod.api import apply_mod
 from vlmod.data import DataError, LlavaDataset
 from vlmod.errors import TrainError
+from vlmod.io.hf import max_positions
 from vlmod.routing.trace import find_parts
 from vlmod.training import memory
 from vlmod.training.checkpoints import check_output_dir_owner, resolve_resume
@@ -166,11 +167,13 @@ class EpochSampler(torch.utils.data.Sampler[int]):
         return self.size
 
 
-def load_dataset(path: str, processor: Any, cfg: TrainConfig) -> LlavaDataset:
-    """The LLaVA-format set at `path` as `processor`'s model reads it; its errors as `TrainError`."""
+def load_dataset(path: str, processor: Any, cfg: TrainConfig, max_tokens: int | None = None) -> LlavaDataset:
+    """The LLaVA-format set at `path` as `processor`'s model reads it; its errors as `TrainError`.
+    `max_tokens`: the model's positions (a longer record is refused before training starts)."""
     try:
         return LlavaDataset(
-            path, processor, cfg.image_root, strict=cfg.strict, num_frames=cfg.num_frames, cache=cfg.cache_data
+            path, processor, cfg.image_root, strict=cfg.strict, num_frames=cfg.num_frames, cache=cfg.cache_data,
+            max_tokens=max_tokens,
         )
     except DataError as e:
         raise TrainError(str(e)) from None
@@ -349,8 +352,9 @@ def prepare(cfg: TrainConfig) -> Run:
     teacher = None
     if cfg.distill_from is not None:
         teacher = Teacher.load(cfg.distill_from, accelerator.device, TrainError)
-    train_set = load_dataset(cfg.data, processor, cfg)
-    val_set = load_dataset(cfg.val_data, processor, cfg) if cfg.val_data else None
+    positions = max_positions(model)
+    train_set = load_dataset(cfg.data, processor, cfg, positions)
+    val_set = load_dataset(cfg.val_data, processor, cfg, positions) if cfg.val_data else None
     if cfg.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     if cfg.trainable == "lora":
