@@ -186,3 +186,10 @@ def test_the_server_times_inside_its_hold_off(client: TestClient, monkeypatch: p
     r = client.post("/api/analyze", data={"prompt": "what ?"}, files={"file": ("x.png", _png(), "image/png")})
     assert r.status_code == 200, r.text
     assert seen == [True]
+
+
+def test_the_command_line_default_is_the_demo_default():
+    from vlmod.cli import build_parser
+    from vlmod.demo.latency import TIMING_RUNS
+
+    assert build_parser().parse_args(["demo", "--model", "m"]).timing_runs == TIMING_RUNS

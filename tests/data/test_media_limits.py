@@ -43,6 +43,27 @@ def _records(tmp_path: Path, media: dict[str, str], question: str = "what is it 
     return path
 
 
+# ----------------------------------------------------------------------------- transparency
+
+
+@pytest.mark.parametrize("mode", ["RGBA", "LA", "P"])
+def test_transparent_pixels_reach_the_model_on_white(tmp_path, mode):
+    """Before: `convert("RGB")` dropped alpha, and transparent pixels (stored black) reached the
+    model, and the demo's stage, as black: dark text on a transparent sheet became unreadable."""
+    from vlmod.demo.media import decode_media
+
+    img = Image.new("RGBA", (20, 20), (0, 0, 0, 0))
+    img.paste((0, 0, 0, 255), (5, 5, 15, 15))  # an opaque black square on a transparent sheet
+    path = tmp_path / f"sheet-{mode}.png"
+    (img.convert(mode) if mode != "P" else img.convert("P", palette=Image.Palette.ADAPTIVE)).save(
+        path, **({"transparency": 0} if mode == "P" else {})
+    )
+    for picture in (load_image(path), decode_media(path).frames[0]):
+        pixels = np.asarray(picture)
+        assert pixels.shape[-1] == 3
+        assert pixels[1, 1].min() == 255 and pixels[10, 10].max() == 0  # white sheet, the black square kept
+
+
 # ----------------------------------------------------------------------------- EXIF orientation
 
 

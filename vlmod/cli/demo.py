@@ -34,8 +34,10 @@ def add_demo_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=positive_int, default=16, help="answer length in tokens (default: 16)")
     p.add_argument("--frames", type=positive_int, default=8, help="frames sampled from a video (default: 8)")
     p.add_argument("--device", type=device, default="cpu", help="torch device, e.g. cpu or cuda (default: cpu)")
-    p.add_argument("--timing-runs", type=non_negative_int, default=3, help="timed generate runs per model per "
-                   "request, MoD and dense interleaved, median shown; 0 = no latency (default: 3)")
+    # vlmod.demo.latency.TIMING_RUNS (not imported here: the demo's server stack loads on `vlmod demo` only)
+    p.add_argument("--timing-runs", type=non_negative_int, default=5, help="timed generates per model per "
+                   "request, MoD and dense interleaved: time to first token and decode per token shown apart, "
+                   "medians with their interval; 0 = no latency (default: 5)")
     p.set_defaults(run=run_demo, model_flags=(("model", "--model"), ("dense", "--dense")))
     return p
 

@@ -209,12 +209,27 @@ def load_image(path: str | Path, max_pixels: int = MAX_PIXELS) -> Any:
     `max_pixels`)."""
     import warnings
 
-    from PIL import Image, ImageOps
+    from PIL import Image
 
     check_regular_file(path)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # our own limit decides
         with Image.open(path) as img:
             check_pixels(*img.size, path, max_pixels)
-            upright = ImageOps.exif_transpose(img)  # reads the tag of the file as opened
-            return upright if upright.mode == "RGB" else upright.convert("RGB")
+            return as_rgb(img)
+
+
+def as_rgb(img: Any) -> Any:
+    """`img` as the model should see it: upright (its EXIF orientation applied: a phone stores a
+    portrait photo as landscape pixels plus a tag) and RGB, transparent pixels on white, as
+    viewers and transformers' `convert_to_rgb` show them (a bare `convert("RGB")` drops alpha and
+    leaves whatever colour the transparent pixels hold, usually black)."""
+    from PIL import Image, ImageOps
+
+    upright = ImageOps.exif_transpose(img)  # reads the tag of the file as opened
+    if upright.mode == "RGB":
+        return upright
+    if upright.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in upright.info:
+        rgba = upright.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, "white"), rgba).convert("RGB")
+    return upright.convert("RGB")

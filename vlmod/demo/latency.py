@@ -29,8 +29,9 @@ from vlmod.bench.timing import contention, spread, time_interleaved
 from vlmod.demo.inference import generate
 from vlmod.demo.model import LoadedModel
 
-# Timed generate calls per model per request (interleaved, median reported); 0 = no timing.
-TIMING_RUNS = 3
+# Timed generate calls per model per request (interleaved, median reported); 0 = no timing. Five:
+# with three, one slow call often made the spread alone call the figure contended.
+TIMING_RUNS = 5
 WHAT_MOD_IS_FOR = (
     "MoD is for the prefill: it skips vision tokens while the prompt is read, so time to first token "
     "follows the prefill FLOPs. Each decoded token still reads the whole language model, as dense does "

@@ -25,9 +25,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from PIL import Image, ImageOps
+from PIL import Image
 
-from vlmod.data.llava_format import MAX_PIXELS  # one limit for the demo, evaluation, fine-tuning and ranking
+from vlmod.data.llava_format import (  # one pixel limit and one RGB conversion for every loader
+    MAX_PIXELS,
+    as_rgb,
+)
 from vlmod.data.video import MAX_CLIP_PIXELS
 
 # Longest side / shortest side of a picture: a panorama passes, a 1-pixel line does not.
@@ -187,10 +190,7 @@ def decode_image(path: Path, max_pixels: int = MAX_PIXELS, **shape: Any) -> Imag
         check_shape(width, height, "image", max_pixels=max_pixels, **shape)
         try:
             img.seek(0)  # first frame of an animated GIF / WebP
-            # Upright, as every viewer shows it: a phone stores a portrait photo as landscape pixels
-            # plus an EXIF orientation tag.
-            upright = ImageOps.exif_transpose(img)
-            rgb = upright if upright.mode == "RGB" else upright.convert("RGB")
+            rgb = as_rgb(img)  # upright, transparency on white
             rgb.load()
         except (OSError, ValueError, SyntaxError) as err:
             raise MediaError(f"the image is corrupt and could not be decoded ({err})") from None
