@@ -95,9 +95,9 @@ from vlmod.demo.media import (
     decode_media,
     looks_like_video,
     processor_resized_pixels,
-    release_memory,
 )
 from vlmod.demo.model import LoadedModel, load_model
+from vlmod.training.memory import release_memory
 
 HERE = Path(__file__).parent
 STATIC_DIR = HERE / "static"

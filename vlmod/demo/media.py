@@ -13,9 +13,6 @@ headers, before anything is decoded or resized.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import gc
 import math
 import re
 import warnings
@@ -148,21 +145,6 @@ def check_shape(
                 f"{resized:,} pixels; the demo takes at most {max_resized_pixels:,} (send a less elongated picture)",
                 status=413,
             )
-
-
-def release_memory() -> None:
-    """Give the memory of a finished request back to the system: collect cycles, then ask glibc to
-    return its freed arenas (without this a server that decoded a few large pictures keeps their
-    peak as resident memory)."""
-    gc.collect()
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return
-    try:
-        trim = ctypes.CDLL(name).malloc_trim
-    except (OSError, AttributeError):  # not glibc
-        return
-    trim(0)
 
 
 def looks_like_video(head: bytes) -> bool:

@@ -25,6 +25,7 @@ from torch import nn
 from vlmod.errors import TrainError
 from vlmod.io.files import write_json
 from vlmod.io.safetensors_layout import align_folder
+from vlmod.training.merge import merge_lora_mapped
 from vlmod.training.resume import DATA_KEY, data_fingerprint, settings_diff
 
 if TYPE_CHECKING:
@@ -267,19 +268,21 @@ def save_checkpoint(accelerator: Any, cfg: TrainConfig, state: dict[str, Any]) -
 
 def save_model(accelerator: Any, model: nn.Module, processor: Any, out: Path) -> Path:
     """The trained model as `save_pretrained` writes it (the full state dict gathered under FSDP /
-    ZeRO-3; LoRA merged into the weights), plus the processor, to `out` via a temporary dir."""
+    ZeRO-3; LoRA merged into the weights, a group of projections at a time: `merge_lora_mapped`),
+    plus the processor, to `out` via a temporary dir."""
     state_dict = accelerator.get_state_dict(model)
     tmp = out.with_name(out.name + ".tmp")
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
         model = accelerator.unwrap_model(model)
-        if hasattr(model, "peft_config"):
-            model, state_dict = model.merge_and_unload(), None
         from safetensors import SafetensorError
 
         from vlmod.io.safetensors_layout import damaged_safetensors
 
+        scratch = out.with_name(out.name + ".merge.tmp")  # merged LoRA projections, mapped while saving
         try:
+            if hasattr(model, "peft_config"):
+                model, state_dict = merge_lora_mapped(model, scratch), None
             model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
             align_folder(tmp)  # loading maps the weights and computes what was saved, bit for bit
             processor.save_pretrained(tmp)
@@ -297,6 +300,8 @@ def save_model(accelerator: Any, model: nn.Module, processor: Any, out: Path) ->
             raise TrainError(
                 f"could not save the model to {out}: {reason}; free space or fix the folder's permissions, {then}"
             ) from None
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
         shutil.rmtree(out, ignore_errors=True)
         os.replace(tmp, out)
     accelerator.wait_for_everyone()
