@@ -5,7 +5,8 @@ one process, and sets the measured speedup against the FLOPs prediction of `vlmo
 `efficiency` = measured / predicted is the number to watch (1.0: routing costs nothing beyond
 the blocks it skips). Modules: `timing` (interleaved timing, contention, peak memory), `inputs`
 (layer specs, synthetic pictures, prompts, clips), `vit`, `generation` (LLaVA prefill and
-generate), `decode` (decode timing and its bounds), `video`, `report` (tables).
+generate), `decode` (decode timing and its bounds), `video`, `train` (a fine-tuning step), `report`
+(tables).
 """
 
 from vlmod.bench.decode import (
@@ -36,6 +37,7 @@ from vlmod.bench.timing import (
     time_fn,
     time_interleaved,
 )
+from vlmod.bench.train import TRAIN_PRESETS, bench_train, format_train_result
 from vlmod.bench.video import VIDEO_PRESETS, VIDEO_PROMPT_WORDS, bench_video
 from vlmod.bench.vit import SOURCES, bench_vit, build_vit
 from vlmod.tools.flops import generation_flops  # re-exported: the demo imports it from here
@@ -47,6 +49,7 @@ __all__ = [
     "LLAVA_PRESETS",
     "SOURCES",
     "TINY_SHAPES",
+    "TRAIN_PRESETS",
     "VIDEO_PRESETS",
     "VIDEO_PROMPT_WORDS",
     "Contention",
@@ -54,12 +57,14 @@ __all__ = [
     "Timings",
     "bench_generation",
     "bench_llava",
+    "bench_train",
     "bench_video",
     "bench_vit",
     "build_vit",
     "contention",
     "format_generation_result",
     "format_table",
+    "format_train_result",
     "format_video_result",
     "format_vit_result",
     "generation_flops",

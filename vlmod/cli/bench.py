@@ -19,6 +19,7 @@ from vlmod.bench import (
     format_vit_result,
 )
 from vlmod.cli.argtypes import add_dtype_argument, device, non_negative_int, option, positive_int
+from vlmod.cli.bench_train import add_bench_train_parser
 from vlmod.cli.common import MODEL_FLAG, SubParsers, capacity, layers, write_json_result
 
 
@@ -226,7 +227,7 @@ def run_bench_video(args: argparse.Namespace) -> int:
 
 # Benchmarks under `vlmod bench`.
 BENCHMARKS: list[Callable[[SubParsers], argparse.ArgumentParser]] = [
-    add_bench_vit_parser, add_bench_llava_parser, add_bench_video_parser,
+    add_bench_vit_parser, add_bench_llava_parser, add_bench_video_parser, add_bench_train_parser,
 ]
 
 

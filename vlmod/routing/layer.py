@@ -129,7 +129,17 @@ class LayerRouting:
             if part.recording:
                 part.record(self.layer_idx, sel, logits.squeeze(-1), layout)  # logits [B, 1, 1]
             return adapter.output(out, args, kwargs)
-        logits = part.router_for(self.layer_idx).logits(x)  # [B, L, 1]
+        router = part.router_for(self.layer_idx)
+        # Training without the BCE aux loss: only the gated (selected) tokens' logits get a
+        # gradient, so the ranking logits of every token are computed without one and the gate's
+        # are recomputed on the selected tokens: the backward then never touches the skipped
+        # tokens, and the layer's full-length input is not kept for the router's weight gradient.
+        ranked_only = torch.is_grad_enabled() and cfg.aux_loss != "bce"
+        if ranked_only:
+            with torch.no_grad():
+                logits = router.logits(x)  # [B, L, 1]
+        else:
+            logits = router.logits(x)
         scores = logits.squeeze(-1)
         keys = self.keys(x, scores, layout, args, kwargs)
         sel = select_tokens(keys, layout, self.capacity)
@@ -137,8 +147,9 @@ class LayerRouting:
             part.record(self.layer_idx, sel, scores, layout)
             return adapter.output(x, args, kwargs)
         x_sel = sel.gather(x)
+        gate_logits = router.logits(x_sel) if ranked_only else sel.gather(logits)
         y_sel = adapter.run(upstream, x_sel, sel, args, kwargs, self.layer_idx)
-        new = gated_residual(x_sel, y_sel, sel.gather(logits), cfg.gate, cfg.gate_alpha)
+        new = gated_residual(x_sel, y_sel, gate_logits, cfg.gate, cfg.gate_alpha)
         if sel.valid is not None:
             new = torch.where(sel.valid.unsqueeze(-1), new, x_sel)
         out = sel.scatter(x, new)

@@ -306,6 +306,16 @@ def enable_gradient_checkpointing(model: nn.Module) -> None:
     model.config.use_cache = False
 
 
+def drop_input_grads(model: nn.Module) -> None:
+    """Undo the hook transformers (and peft, wrapping a checkpointed model) put on the input
+    embeddings so they require grad: reentrant checkpointing needs it, the non-reentrant kind used
+    here does not, and left on it makes every step's backward cross the frozen vision tower and
+    every frozen layer below the lowest trained one (+36% FLOPs in a router-only step)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if getattr(base, "_require_grads_hook", None) is not None:
+        base.disable_input_require_grads()
+
+
 # ----------------------------------------------------------------------------- the prepared run
 
 
@@ -359,6 +369,8 @@ def prepare(cfg: TrainConfig) -> Run:
         enable_gradient_checkpointing(model)
     if cfg.trainable == "lora":
         model = add_lora(model, cfg)
+    if cfg.gradient_checkpointing:
+        drop_input_grads(model)
     groups = set_trainable(model, cfg.trainable, cfg.train_vision_tower)
     if not groups:
         raise TrainError(f"trainable: {cfg.trainable} leaves no parameter to train in this model")
