@@ -110,7 +110,8 @@ def test_resume_latest_falls_back_past_a_damaged_checkpoint(work, first_run, tmp
     printed = capsys.readouterr().out
     assert "warning: checkpoint" in printed and "step-2 is damaged" in printed
     assert "step-1 (the newest intact checkpoint): step 1" in printed
-    assert result.step == 3 and [h["step"] for h in result.history] == [2, 3]
+    # The history goes on from the checkpoint's: step 1 from it, steps 2 and 3 resumed.
+    assert result.step == 3 and [h["step"] for h in result.history] == [1, 2, 3]
 
 
 def test_resume_latest_with_a_broken_state_file_and_rng_state(work, first_run, tmp_path, capsys):

@@ -248,3 +248,104 @@ def test_the_video_model_starts_from_every_weight_of_the_image_stage() -> None:
     wider, _ = tiny.build("llava_next_video", width=64, layers=2, vision_width=32, patch_size=8)
     with pytest.raises(InputError, match="other sizes"):
         tiny.copy_weights(image, wider)
+
+
+# ------------------------------------------------------------------ what each training stage cost
+
+
+def test_each_training_stage_reports_its_step_time_flops_and_tokens(image_run: tuple, video_run: tuple) -> None:
+    for (out, result), stages in ((image_run, ["train dense", "train MoD"]),
+                                  (video_run, ["train on images", "train dense", "refine dense", "train MoD",
+                                               "train dense control"])):
+        saved = json.loads((out / "results.json").read_text())["training_stages"]
+        assert list(saved) == stages
+        for stage, cost in saved.items():
+            assert cost["step_ms_median"] > 0 and cost["tokens_per_second"] > 0 and cost["training_flops"] > 0
+            assert cost["training_flops"] == pytest.approx(cost["training_flops_per_step"] * cost["steps"])
+            assert stage in (out / "results.md").read_text()
+        mod, dense = saved["train MoD"], saved["train dense"]
+        assert mod["mod"] and not dense["mod"] and mod["steps"] == result.settings.mod_steps
+        # The MoD fine-tune's saving: fewer FLOPs than the same steps unconverted.
+        assert mod["training_flops"] < mod["dense_flops"]
+        assert dense["training_flops"] == pytest.approx(dense["dense_flops"])
+        assert "FLOPs against the same steps dense" in (out / "results.md").read_text()
+
+
+def test_training_flops_count_the_tower_and_the_teacher() -> None:
+    """Full training of everything is three forwards (forward, input and weight gradients); a
+    distilled stage adds the teacher's forward; a MoD layer costs less on fewer tokens."""
+    from vlmod.recipes.cost import Routing, SampleShape, sample_flops
+    from vlmod.tools.flops import DecoderDims
+    from vlmod.tools.training_flops import language_training_flops
+
+    dims = DecoderDims(dim=64, layers=4, heads=4, kv_heads=2, head_dim=16, mlp_hidden=128, vocab=100)
+    shape = SampleShape(dims, tokens=30.0, media=16.0, vision=1e6, projector=2e5, projector_backward=3e5)
+    forward = shape.vision + shape.projector + language_training_flops(dims, 30.0, {}, "full")["forward"]
+    everything = sample_flops(shape, trainable="full", train_vision_tower=True)
+    assert everything == pytest.approx(3 * forward)
+    tower_frozen = sample_flops(shape, trainable="language")
+    assert everything - tower_frozen == pytest.approx(2 * shape.vision + 2 * shape.projector - shape.projector_backward)
+    assert sample_flops(shape, trainable="language", distill=True) == pytest.approx(tower_frozen + forward)
+    routing = Routing((1, 3), capacity=0.25)
+    assert routing.processed(shape) == {1: 18.0, 3: 18.0}  # every text token (14) and k = 4 of 16 vision tokens
+    assert routing.processed(shape, capacity=0.5) == {1: 22.0, 3: 22.0}
+    # Fewer tokens cost less; every token through a MoD layer costs dense plus its router.
+    common = {"trainable": "full", "train_vision_tower": True}
+    assert sample_flops(shape, routing, 0.25, **common) < sample_flops(shape, routing, 0.5, **common) < everything
+    assert sample_flops(shape, routing, 1.0, **common) > everything
+
+
+# ------------------------------------------------------------------ the isoFLOP check
+
+
+@pytest.fixture(scope="module")
+def isoflop_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    from vlmod.recipes.isoflop import run_isoflop
+
+    out = tmp_path_factory.mktemp("isoflop")
+    return out, run_isoflop(out, RecipeSettings.for_task("image", quick=True, isoflop=True), progress=False,
+                            log=lambda _: None)
+
+
+def test_isoflop_trains_mod_from_scratch_for_the_dense_training_flops(isoflop_run: tuple) -> None:
+    from vlmod.recipes.isoflop import PAPER_CAPACITY
+
+    out, result = isoflop_run
+    s = RecipeSettings.for_task("image", quick=True)
+    assert json.loads((out / "isoflop.json").read_text())["rows"] == result["rows"]
+    dense, paper, goal = result["rows"]
+    assert [r["name"] for r in result["rows"]] == ["dense", "paper", "goal"]
+    for r in result["rows"]:
+        for key in ("accuracy", "training_flops", "steps", "wall_seconds", "step_ms_median", "tokens_per_second"):
+            assert r[key] is not None, key
+        assert len(r["correct"]) == r["samples"] == s.num_val
+    assert dense["steps"] == s.dense_steps
+    for r in (paper, goal):
+        # More steps, each cheaper: the planned FLOPs meet dense's within half a step ...
+        assert r["steps"] > dense["steps"]
+        assert abs(r["planned_flops"] - dense["planned_flops"]) <= r["planned_step_flops"] / 2
+        # ... and what each run counted on its own trained tokens within a step of dense's.
+        assert abs(r["training_flops"] - dense["training_flops"]) <= 1.05 * r["planned_step_flops"]
+        log = json.loads((out / f"isoflop-{r['name']}" / "train_log.json").read_text())["config"]
+        # Converted at step 0 from the dense stage's own initial weights, trained as the dense stage.
+        assert log["model"] == str(out / "init") and log["mod"]["layers"] == r["layers"]
+        assert (log["trainable"], log["train_vision_tower"], log["lr"], log["max_steps"]) == ("full", True, s.dense_lr,
+                                                                                             r["steps"])
+        model = vlmod.load_pretrained(out / f"isoflop-{r['name']}" / "model")
+        assert {i: c for (_, i), c in vlmod.mod_layers(model).items()} == dict.fromkeys(r["layers"], r["capacity"])
+        assert r["gap_points"] is not None and r["language_reduction"] > 1
+    assert (paper["layers"], paper["capacity"]) == ([1, 3], PAPER_CAPACITY)
+    assert goal["layers"] == list(range(1, s.layers))
+    table = (out / "isoflop.md").read_text()
+    assert "| paper |" in table and "| goal |" in table and "at equal training FLOPs" in table
+
+
+def test_isoflop_flag_runs_the_check_and_refuses_what_does_not_fit(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from vlmod.cli import main
+
+    for argv, message in [(["--task", "video"], "--isoflop is for --task image"),
+                          (["--reuse-trained", "--reuse-dense"], "drop --reuse-trained"),
+                          (["--mod-layers", "arank:2"], "use --mod-layers all")]:
+        assert main(["recipe", "--quick", "--isoflop", "--out", str(tmp_path / "run"), *argv]) == 2
+        assert message in capsys.readouterr().err
+    assert RecipeSettings.for_task("image", isoflop=True).dense_steps < RecipeSettings.for_task("image").dense_steps

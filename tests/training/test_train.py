@@ -102,13 +102,30 @@ def test_resume_continues_with_the_same_step_optimizer_and_data(workdir: Path, t
     checkpoint.rename(tmp_path / "b" / "checkpoints" / "step-3")
     resumed = train(_cfg(workdir, tmp_path / "b", max_steps=9, save_steps=3, seed=3, resume="latest"), progress=False)
     assert resumed.step == 9
-    assert [h["step"] for h in resumed.history] == [4, 5, 6, 7, 8, 9]
-    assert [h["loss"] for h in resumed.history] == pytest.approx([h["loss"] for h in straight.history[3:]], rel=1e-5)
+    # The whole loss history, the steps before the resume too (saved with the checkpoint), as the
+    # straight run logged it; only the resumed steps were timed.
+    log = json.loads((tmp_path / "b" / "train_log.json").read_text())
+    assert [h["step"] for h in resumed.history] == [h["step"] for h in log["history"]] == list(range(1, 10))
+    assert [h["loss"] for h in log["history"]] == pytest.approx([h["loss"] for h in straight.history], rel=1e-5)
+    assert log["history"][:3] == state["history"] and log["cost"]["steps_timed"] == 6
     a = vlmod.load_pretrained(straight.model_dir).state_dict()
     b = vlmod.load_pretrained(resumed.model_dir).state_dict()
     assert a.keys() == b.keys()
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6)
+
+
+def test_train_log_records_each_step_time_and_the_tokens_trained(workdir: Path, tmp_path: Path) -> None:
+    # One epoch exactly (24 samples, 6 steps of 4): every sample's tokens trained once.
+    result = train(_cfg(workdir, tmp_path, max_steps=6, trainable="router"), progress=False)
+    cost = json.loads((tmp_path / "train_log.json").read_text())["cost"]
+    assert cost == result.cost and cost["steps_timed"] == len(cost["step_seconds"]) == 6
+    assert all(t > 0 for t in cost["step_seconds"]) and cost["samples"] == 24
+    _, processor = load_model(_cfg(workdir, tmp_path))
+    ds = vlmod.data.LlavaDataset(str(workdir / "data" / "train.json"), processor)
+    assert cost["tokens"] == sum(int(ds.collate([ds[i]])["attention_mask"].sum()) for i in range(len(ds)))
+    assert cost["tokens_per_second"] == pytest.approx(cost["tokens"] / sum(cost["step_seconds"]), rel=1e-4)
+    assert min(cost["step_seconds"]) <= cost["step_seconds_median"] <= max(cost["step_seconds"])
 
 
 def test_epochs_count_partial_accumulation_steps(workdir: Path, tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 from vlmod.cli.argtypes import int_at_least, non_negative_float, positive_int
 from vlmod.cli.common import SubParsers
 from vlmod.errors import InputError
-from vlmod.recipes.settings import TASKS, RecipeSettings
+from vlmod.recipes.settings import ISOFLOP_DENSE_STEPS, TASKS, RecipeSettings
 
 _FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("num_train", positive_int, "training images (image task) or clips (video task)"),
@@ -60,6 +60,8 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     for name, kind, text in _FLAGS:
         a, b = getattr(image, name), getattr(vid, name)
         shown = f"{a}" if a == b else f"image {a}, video {b}"
+        if name == "dense_steps":
+            shown += f"; --isoflop {ISOFLOP_DENSE_STEPS}"
         parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, default=None,
                             help=f"{text} (default: {shown})")
     parser.add_argument("--targets", type=float, nargs="+", default=None,
@@ -85,6 +87,11 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     parser.add_argument("--reuse-trained", action="store_true",
                         help="with --reuse-dense: keep the MoD fine-tune and the control of that run too (same "
                              "settings) and only evaluate again, e.g. after a baseline changed (default: train them)")
+    parser.add_argument("--isoflop", action="store_true",
+                        help="image task: instead of the frontier, train MoD models from scratch (converted at step "
+                             "0) for the dense stage's training FLOPs, at the MoD paper's setting (capacity 0.125, "
+                             "every other layer) and at the recipe's 3x point (every layer but 0); writes isoflop.md / "
+                             "isoflop.json (default: off)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.set_defaults(run=run_recipe_command)
     return parser
@@ -119,10 +126,20 @@ def run_recipe_command(args: argparse.Namespace) -> int:
         if not (Path(args.image_model).expanduser() / "config.json").is_file():
             raise InputError(f"--image-model {args.image_model} is not a checkpoint folder (no config.json)")
         overrides["image_model"] = str(Path(args.image_model).expanduser().resolve())
-    settings = RecipeSettings.for_task(args.task, quick=args.quick, **overrides)
+    if args.isoflop and args.task != "image":
+        raise InputError("--isoflop is for --task image (the video recipe's dense model has four stages)")
+    if args.isoflop and (args.reuse_trained or args.dense_control):
+        raise InputError("--isoflop trains its MoD models from scratch: drop --reuse-trained and --dense-control")
+    settings = RecipeSettings.for_task(args.task, quick=args.quick, isoflop=args.isoflop, **overrides)
     from vlmod.io.paths import check_output_dir
 
     out = check_output_dir(args.out or f"runs/synthetic-{args.task}", "--out")
+    if args.isoflop:
+        from vlmod.recipes.isoflop import run_isoflop
+
+        run_isoflop(out, settings, progress=not args.no_progress, reuse_dense=args.reuse_dense)
+        print(f"results written to {out / 'isoflop.md'} and isoflop.json")
+        return 0
     from vlmod.recipes.recipe import run_recipe  # the training stack loads when a recipe runs, not for --help
 
     run_recipe(out, settings, progress=not args.no_progress, reuse_dense=args.reuse_dense,

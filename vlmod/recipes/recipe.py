@@ -47,10 +47,12 @@ from vlmod.evaluation.evaluate import evaluate
 from vlmod.io.files import save_pretrained_atomic, write_json, write_text
 from vlmod.io.hf import load_pretrained
 from vlmod.models import tiny
+from vlmod.recipes.cost import format_costs, run_cost
 from vlmod.recipes.reuse import (
     CONTROL_STAGES,
     DENSE_RUN,
     REFINED_RUN,
+    TRAINING_RUNS,
     reusable_dense,
     reusable_finetune,
     reusable_refined,
@@ -411,7 +413,17 @@ class _Recipe:
         self.result.rows.append(frontier.row("learned+vision", main["target"],
                                              f"capacity {main['capacity']:.3f}, tower {s.vision_capacity:g}", report))
 
+    def record_costs(self) -> None:
+        """Each training stage's step time, tokens a second and training FLOPs (`vlmod.recipes.cost`),
+        from the logs of the runs this recipe trained or reused."""
+        for stage, run in TRAINING_RUNS.items():
+            trained_elsewhere = run == "image" and self.s.image_model
+            if stage in self.result.stages and not trained_elsewhere and (self.out / run / "train_log.json").is_file():
+                data = self.data / "train.json" if run == "image" else self.train_json
+                self.result.training[stage] = run_cost(self.out / run, data)
+
     def write_results(self) -> RecipeResult:
+        self.record_costs()
         write_json(self.out / "results.json", self.result.to_dict())
         table = format_results(self.result)
         write_text(self.out / "results.md", table + "\n")
@@ -446,10 +458,10 @@ def format_results(result: RecipeResult) -> str:
     lines.append(f"- whole recipe: {total / 60:.1f} min"
                  + (f" ({(total - control) / 60:.1f} min without the control)" if control else "") + " ("
                  + ", ".join(f"{k} {v:.0f} s" for k, v in result.stages.items()) + ")")
+    if result.training:
+        lines += ["", "What each training stage cost (steps on the host clock; FLOPs analytic, `vlmod.recipes.cost`):",
+                  "", *format_costs(result.training)]
     return "\n".join(lines)
-
-
-__all__ = ["TASKS", "RecipeResult", "RecipeSettings", "format_results", "run_recipe", "token_counts"]
 
 
 __all__ = ["TASKS", "VIDEO_POOLS", "RecipeResult", "RecipeSettings", "format_results", "run_recipe", "token_counts"]

@@ -20,6 +20,9 @@ DENSE_SETTINGS = (
 )
 REFINE_SETTINGS = ("refine_steps",)
 DENSE_RUN, REFINED_RUN = "dense", "dense-refined"
+# Each training stage of a recipe and the run folder it trains into.
+TRAINING_RUNS = {"train on images": "image", "train dense": DENSE_RUN, "refine dense": REFINED_RUN,
+                 "train MoD": "mod", CONTROL_STAGES[0]: "dense-control"}
 _RUN_PATHS = ("model", "data", "output_dir", "distill_from", "overwrite", "resume")  # follow from --out
 
 
@@ -88,10 +91,11 @@ def reusable_finetune(out: Path, cfg: Any) -> tuple[Path, float]:
     changed += [k for k in ("model", "distill_from") if _run_of(saved.get(k)) != _run_of(getattr(cfg, k))]
     if changed:
         raise InputError(f"--reuse-trained: the {run.name} stage in {out} was trained with other {', '.join(changed)}")
-    stage = {"mod": "train MoD", "dense-control": CONTROL_STAGES[0]}[run.name]
+    stage = {r: st for st, r in TRAINING_RUNS.items()}[run.name]
     return run / "model", json.loads(results.read_text())["stage_seconds"][stage]
 
 
-__all__ = ["CONTROL_STAGES", "DENSE_RUN", "DENSE_SETTINGS", "REFINED_RUN", "REFINE_SETTINGS", "changed_settings",
+__all__ = ["CONTROL_STAGES", "DENSE_RUN", "DENSE_SETTINGS", "REFINED_RUN", "REFINE_SETTINGS", "TRAINING_RUNS",
+           "changed_settings",
            "dense_model_dir", "reusable_dense",
            "reusable_finetune", "reusable_refined"]

@@ -13,6 +13,12 @@ from vlmod.errors import InputError
 
 TASKS = ("image", "video")
 VIDEO_POOLS = ("average", "max", "conv")
+# The isoFLOP check's dense steps: its MoD runs take 1.44x (the paper's setting) and 2.12x (3x
+# point) as many at the same training FLOPs, and on this project's CPU a MoD step took 1.15x and
+# 0.73x a dense one's time (interleaved, on a busy machine; tiny layers, so routing's fixed costs
+# weigh), so 1,500 dense steps of ~0.5 s (the image recipe's dense stage, docs/results.md) make
+# the whole check about 55 minutes; the recipe's 2,500 would take about 90.
+ISOFLOP_DENSE_STEPS = 1500
 
 
 @dataclass
@@ -63,12 +69,16 @@ class RecipeSettings:
     threads: int | None = None
 
     @classmethod
-    def for_task(cls, task: str, quick: bool = False, **overrides: Any) -> RecipeSettings:
+    def for_task(cls, task: str, quick: bool = False, isoflop: bool = False, **overrides: Any) -> RecipeSettings:
         """The defaults of `task` ("image" or "video"); `quick`: toy sizes that run the whole
-        pipeline in well under two minutes (for tests; its accuracies mean nothing)."""
+        pipeline in well under two minutes (for tests; its accuracies mean nothing); `isoflop`:
+        the isoFLOP check's (`vlmod.recipes.isoflop`), whose dense stage is shorter
+        (ISOFLOP_DENSE_STEPS) so that it and the two MoD runs of its FLOPs fit about an hour."""
         if task not in TASKS:
             raise InputError(f"--task must be one of {', '.join(TASKS)}, got {task!r}")
         base: dict[str, Any] = {"task": task}
+        if isoflop:
+            base.update(dense_steps=ISOFLOP_DENSE_STEPS)
         if task == "video":
             base.update(num_train=8000, num_val=2520, baseline_samples=420, batch_size=16, eval_batch_size=16, captions=True,
                         image_steps=2000, num_train_images=8000, dense_steps=2000, mod_steps=1500, mod_lr=1e-3,
@@ -115,6 +125,7 @@ class RecipeResult:
     layers: list[int] = field(default_factory=list)
     ranks: list[float] = field(default_factory=list)
     points: list[dict[str, Any]] = field(default_factory=list)
+    training: dict[str, dict[str, Any] | None] = field(default_factory=dict)  # a training stage's cost
 
     def row(self, method: str, target: float | None = None) -> dict[str, Any]:
         return next(r for r in self.rows if r["method"] == method and r["target"] == target)
@@ -127,9 +138,10 @@ class RecipeResult:
             "compute_points": self.points,
             "results": self.rows,
             "stage_seconds": self.stages,
+            "training_stages": self.training,
             "total_seconds": sum(self.stages.values()),
             "machine": {"platform": platform.platform(), "threads": torch.get_num_threads()},
         }
 
 
-__all__ = ["TASKS", "VIDEO_POOLS", "RecipeResult", "RecipeSettings"]
+__all__ = ["ISOFLOP_DENSE_STEPS", "TASKS", "VIDEO_POOLS", "RecipeResult", "RecipeSettings"]

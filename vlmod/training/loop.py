@@ -5,12 +5,19 @@ logs, validates and checkpoints on the way.
 The loss of a multi-process run is the global per-token mean over answer tokens, whatever the
 answer lengths on each process (`answer_token_share`); MoD runs also log their skip rate (the
 share of routable tokens the MoD layers skipped).
+
+What a step costs is recorded without adding a host sync: each optimizer step's wall time on the
+host clock (data loading included; logging, validation and checkpoints left out) and the trained
+tokens (attention-mask ones) summed on the device and read once, at the end. On an accelerator the
+host runs ahead of the device, so a single step's time is when its work was queued; once the
+queue is full the host waits on the device and the median step is the device's.
 """
 
 from __future__ import annotations
 
 import math
 import random
+import time
 from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -110,16 +117,31 @@ class Position:
     step: int = 0
     epoch: int = 0
     batch_in_epoch: int = 0
+    history: list[dict[str, float]] = field(default_factory=list)  # what the run logged before it
 
 
 @dataclass
 class Steps:
-    """What the loop did: the last step, the logged history, the last log and validation loss."""
+    """What the loop did: the last step, the logged history (a resumed run's from its first step),
+    the last log and validation loss, and what the steps this process ran cost: each one's wall
+    seconds, and the samples and tokens they trained (all processes)."""
 
     step: int
     history: list[dict[str, float]] = field(default_factory=list)
     last: dict[str, float] = field(default_factory=dict)
     val_loss: float | None = None
+    step_seconds: list[float] = field(default_factory=list)
+    samples: int = 0
+    tokens: int = 0
+
+
+def _saved_history(state: dict[str, Any], accelerator: Any) -> list[dict[str, float]]:
+    """The loss history a checkpoint saved (none in a checkpoint from before it was saved)."""
+    history = state.get("history", [])
+    if isinstance(history, list) and all(isinstance(h, dict) and isinstance(h.get("step"), int) for h in history):
+        return history
+    accelerator.print("warning: the checkpoint's loss history is unreadable; train_log.json starts at the resumed step")
+    return []
 
 
 def resume_position(run: Run) -> Position:
@@ -136,7 +158,7 @@ def resume_position(run: Run) -> Position:
             damaged.append(str(e))
             accelerator.print(f"warning: {e}; trying the next older checkpoint")
             continue
-        position = Position(state["step"], state["epoch"], state["batch_in_epoch"])
+        position = Position(state["step"], state["epoch"], state["batch_in_epoch"], _saved_history(state, accelerator))
         newest = " (the newest intact checkpoint)" if damaged else ""
         accelerator.print(
             f"resumed from {checkpoint}{newest}: step {position.step}, epoch {position.epoch}, "
@@ -152,12 +174,15 @@ def resume_position(run: Run) -> Position:
 
 
 class _Tally:
-    """Loss and routing summed on the device between two logs (read only at log time)."""
+    """Loss and routing summed on the device between two logs (read only at log time), and the
+    trained tokens over the whole run (read at its end)."""
 
     def __init__(self, device: torch.device) -> None:
         self.loss = torch.zeros((), device=device)
         self.routed = torch.zeros(2, dtype=torch.long, device=device)
         self.micro = 0
+        self.tokens = torch.zeros((), dtype=torch.long, device=device)
+        self.samples = 0
 
     def reset(self) -> None:
         self.loss.zero_()
@@ -170,7 +195,8 @@ def _micro_step(run: Run, batch: dict[str, Any], per_token: bool, tally: _Tally)
     cfg, accelerator, model = run.cfg, run.accelerator, run.model
     with accelerator.accumulate(model):
         token_share = answer_token_share(batch, accelerator) if per_token else None
-        extra = {} if token_share is None else {"num_items_in_batch": token_share}
+        # No KV cache: a training forward never decodes, and building one costs a copy per layer.
+        extra = {"use_cache": False} if token_share is None else {"use_cache": False, "num_items_in_batch": token_share}
         if run.parts:
             with trace_routing(model) as trace, run.compute():
                 out = model(**batch, **extra)
@@ -215,7 +241,7 @@ def run_steps(run: Run, position: Position, progress: bool = True) -> Steps:
     step, epoch, batch_in_epoch = position.step, position.epoch, position.batch_in_epoch
     bar = tqdm(total=total_steps, initial=step, desc="finetune", unit="step",
                disable=not (progress and accelerator.is_local_main_process))
-    done = Steps(step=step)
+    done = Steps(step=step, history=list(position.history))
     tally = _Tally(accelerator.device)
     converted = {p.name: p.config.capacity for p in run.parts}
     if (cfg.capacities or cfg.capacity_warmup) and not run.parts:
@@ -223,6 +249,7 @@ def run_steps(run: Run, position: Position, progress: bool = True) -> Steps:
         raise TrainError(f"{key}: the model has no MoD layers; convert it (or give mod:) first")
     model.train()
     per_token = accelerator.num_processes > 1 and takes_loss_kwargs(accelerator.unwrap_model(model))
+    started = time.perf_counter()
     while step < total_steps:
         run.loader.set_epoch(epoch)  # the prepared loader passes its epoch on to the sampler (and a skip-loader)
         epoch_loader = accelerator.skip_first_batches(run.loader, batch_in_epoch) if batch_in_epoch else run.loader
@@ -233,9 +260,13 @@ def run_steps(run: Run, position: Position, progress: bool = True) -> Steps:
             batch_in_epoch += 1
             tally.loss += loss.detach().float()
             tally.micro += 1
+            mask = batch.get("attention_mask")
+            tally.tokens += mask.sum() if mask is not None else batch["input_ids"].numel()
+            tally.samples += batch["input_ids"].shape[0]
             if not accelerator.sync_gradients:
                 continue
             step += 1
+            done.step_seconds.append(time.perf_counter() - started)
             bar.update(1)
             if step % max(cfg.log_steps, 1) == 0 or step == total_steps:
                 done.last = _log(run, step, tally)
@@ -248,9 +279,11 @@ def run_steps(run: Run, position: Position, progress: bool = True) -> Steps:
                 if cfg.report_to:
                     accelerator.log({"val/loss": done.val_loss}, step=step)
             if cfg.save_steps and step % cfg.save_steps == 0 and step < total_steps:
-                save_checkpoint(accelerator, cfg, {"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch})
+                save_checkpoint(accelerator, cfg, {"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch,
+                                                   "history": done.history})
             if step >= total_steps:
                 break
+            started = time.perf_counter()
         else:
             epoch += 1
             batch_in_epoch = 0
@@ -258,6 +291,8 @@ def run_steps(run: Run, position: Position, progress: bool = True) -> Steps:
     for name, capacity in converted.items() if cfg.capacities or cfg.capacity_warmup else ():
         api.set_capacity(accelerator.unwrap_model(model), capacity, part=name)
     done.step = step
+    done.tokens = int(accelerator.reduce(tally.tokens, reduction="sum"))
+    done.samples = int(accelerator.reduce(torch.tensor(tally.samples, device=accelerator.device), reduction="sum"))
     return done
 
 

@@ -25,9 +25,11 @@ The final model is written with `save_pretrained` (and its processor) to `output
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -41,7 +43,8 @@ from vlmod.training.setup import EpochSampler, Run, cast_trainable, prepare, set
 
 @dataclass
 class TrainResult:
-    """What a run did: optimizer steps, the last logged losses, where the model went."""
+    """What a run did: optimizer steps, the last logged losses, where the model went, and what
+    its steps cost (`cost`, also in train_log.json)."""
 
     step: int
     loss: float | None
@@ -51,6 +54,22 @@ class TrainResult:
     seconds: float
     history: list[dict[str, float]] = field(default_factory=list)
     main_process: bool = True
+    cost: dict[str, Any] = field(default_factory=dict)
+
+
+def step_cost(steps: Steps) -> dict[str, Any]:
+    """What the steps this process ran cost: their count, each one's wall seconds and the median,
+    the samples and tokens they trained (all processes) and tokens a second over those steps."""
+    seconds = steps.step_seconds
+    total = sum(seconds)
+    return {
+        "steps_timed": len(seconds),
+        "step_seconds_median": statistics.median(seconds) if seconds else None,
+        "samples": steps.samples,
+        "tokens": steps.tokens,
+        "tokens_per_second": steps.tokens / total if total > 0 else None,
+        "step_seconds": [round(t, 6) for t in seconds],
+    }
 
 
 def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
@@ -61,7 +80,8 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
     position = resume_position(run)
     start_output(run)
     steps = run_steps(run, position, progress)
-    model_dir = finish(run, steps)
+    cost = step_cost(steps)
+    model_dir = finish(run, steps, cost)
     last = steps.last
     return TrainResult(
         step=steps.step,
@@ -72,6 +92,7 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
         seconds=time.perf_counter() - start,
         history=steps.history,
         main_process=run.accelerator.is_main_process,
+        cost=cost,
     )
 
 
@@ -98,15 +119,17 @@ def start_output(run: Run) -> None:
     )
 
 
-def finish(run: Run, steps: Steps) -> Path:
+def finish(run: Run, steps: Steps, cost: dict[str, Any]) -> Path:
     """Save the model in the checkpoint's dtype (and its processor) to `output_dir/model`, and the
-    log to `train_log.json`; where the model went."""
+    log (the whole loss history, a resumed run's too, and the steps' `cost`) to `train_log.json`;
+    where the model went."""
     cfg, accelerator = run.cfg, run.accelerator
     if not sharded(accelerator):
         cast_trainable(accelerator.unwrap_model(run.model), run.frozen_dtype)  # saved in the checkpoint's dtype
     out_dir = save_model(accelerator, run.model, run.processor, Path(cfg.output_dir) / "model")
     if accelerator.is_main_process:
-        write_json(Path(cfg.output_dir) / "train_log.json", {"config": cfg.to_dict(), "history": steps.history})
+        write_json(Path(cfg.output_dir) / "train_log.json", {"config": cfg.to_dict(), "history": steps.history,
+                                                                   "cost": cost})
     if cfg.report_to:
         accelerator.end_training()
     return out_dir
@@ -120,5 +143,6 @@ __all__ = [
     "TrainResult",
     "latest_checkpoint",
     "set_trainable",
+    "step_cost",
     "train",
 ]
