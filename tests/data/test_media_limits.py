@@ -196,6 +196,7 @@ def test_the_demo_decodes_a_large_clip_small(tmp_path):
     media = decode_media(clip, num_frames=8, resized_pixels=lambda w, h: 336 * 336)
     assert media.kind == "video" and len(media.frames) == 8
     assert min(media.size) == SHOWN_SHORT_SIDE and media.size[0] * 3 == media.size[1] * 4
+    assert media.source_size == (1600, 1200)  # the page says "your 1600x1200 frame, decoded at ..."
 
 
 # ----------------------------------------------------------------------------- text

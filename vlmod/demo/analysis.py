@@ -145,6 +145,8 @@ def _picture_json(
         "src": data_url(shown),
         # What the model saw: this crop of the original picture, resized to model_size.
         "original": {"width": picture.width, "height": picture.height},  # + "src" when cropped
+        # The file's own size where the decoder scaled its frames down (crop and grid are in decoded pixels).
+        **({"source": {"width": media.source_size[0], "height": media.source_size[1]}} if media.source_size else {}),
         "crop": {"x": box[0], "y": box[1], "width": box[2] - box[0], "height": box[3] - box[1]},
         "model_size": {"width": model_w, "height": model_h},
         "model_src": data_url(shown, (model_w, model_h)),

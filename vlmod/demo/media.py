@@ -69,6 +69,8 @@ class Media:
     kind: str  # "image" | "video"
     frames: list[Image.Image]
     timestamps: list[float] = field(default_factory=list)  # seconds, videos only
+    # The file's own frame size where the decoder scaled the frames down (a large video), else None.
+    source_size: tuple[int, int] | None = None
 
     @property
     def size(self) -> tuple[int, int]:
@@ -228,7 +230,8 @@ def decode_video(path: Path, num_frames: int, max_pixels: int = MAX_PIXELS, **sh
     t, h, w = video.frames.shape[:3]
     check_shape(w, h, "video", max_pixels=max_pixels, **shape)
     frames = [Image.fromarray(np.ascontiguousarray(f)) for f in video.frames]
-    return Media(kind="video", frames=frames, timestamps=[float(s) for s in video.timestamps[:t]])
+    source = size if size is not None and tuple(size) != (w, h) else None
+    return Media(kind="video", frames=frames, timestamps=[float(s) for s in video.timestamps[:t]], source_size=source)
 
 
 def decode_media(path: Path, num_frames: int = 8, max_pixels: int = MAX_PIXELS, **shape: Any) -> Media:

@@ -471,9 +471,10 @@ function renderSeen(item, grid) {
   const cropped = c.width !== o.width || c.height !== o.height;
   const frame = state.result.kind === "video" ? "frame" : "picture";
   const parts = [];
-  parts.push(cropped
-    ? `The model saw the centre ${c.width}×${c.height} of your ${o.width}×${o.height} ${frame}`
-    : `The model saw your whole ${o.width}×${o.height} ${frame}`);
+  const yours = item.source
+    ? `your ${item.source.width}×${item.source.height} ${frame}, decoded at ${o.width}×${o.height}`
+    : `your ${o.width}×${o.height} ${frame}`;
+  parts.push(cropped ? `The model saw the centre ${c.width}×${c.height} of ${yours}` : `The model saw ${yours.replace("your ", "your whole ")}`);
   parts.push(`resized to ${m.width}×${m.height} px`);
   const cellW = m.width / grid.cols, cellH = m.height / grid.rows;
   const cell = Number.isInteger(cellW) && Number.isInteger(cellH) ? ` of ${cellW}×${cellH} px` : "";
