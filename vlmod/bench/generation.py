@@ -34,6 +34,7 @@ from vlmod.bench.timing import (
     keeps_threads,
     load_average,
     peak_memory_bytes,
+    peak_memory_change,
     set_threads,
     time_interleaved,
 )
@@ -244,9 +245,7 @@ def speedups(
     decode = d["decode_step_s"] / m["decode_step_s"] if d["decode_step_s"] and m["decode_step_s"] else None
     predicted_decode = d["decode_read_bytes"] / m["decode_read_bytes"]
     lockstep = (result.get("decode_lockstep") or {}).get("speedup")
-    peak = None
-    if d["peak_memory_bytes"] and m["peak_memory_bytes"] is not None:
-        peak = m["peak_memory_bytes"] / d["peak_memory_bytes"] - 1.0
+    peak = peak_memory_change(d, m)
     return {
         "predicted_speedup": predicted,
         "prefill_speedup": prefill,

@@ -336,3 +336,10 @@ def peak_memory_bytes(fn: Callable[[], Any], device: torch.device | str = "cpu")
         live += nbytes
         peak = max(peak, live)
     return int(peak)
+
+
+def peak_memory_change(dense: Mapping[str, Any], mod: Mapping[str, Any]) -> float | None:
+    """MoD's peak memory over dense's, minus 1 (None where either was not measured)."""
+    if dense.get("peak_memory_bytes") and mod.get("peak_memory_bytes") is not None:
+        return mod["peak_memory_bytes"] / dense["peak_memory_bytes"] - 1.0
+    return None

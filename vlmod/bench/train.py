@@ -35,6 +35,7 @@ from vlmod.bench.timing import (
     keeps_threads,
     load_average,
     peak_memory_bytes,
+    peak_memory_change,
     set_threads,
     time_interleaved,
 )
@@ -305,9 +306,7 @@ def step_speedups(result: dict[str, dict[str, Any]]) -> dict[str, Any]:
     predicted = d["flops"] / m["flops"]
     causal = d["flops_causal_attention"] / m["flops_causal_attention"]
     speedup = d["step_s"] / m["step_s"]
-    peak = None
-    if d["peak_memory_bytes"] and m["peak_memory_bytes"] is not None:
-        peak = m["peak_memory_bytes"] / d["peak_memory_bytes"] - 1.0
+    peak = peak_memory_change(d, m)
     return {
         "predicted_step_speedup": predicted,
         "step_speedup": speedup,

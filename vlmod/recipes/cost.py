@@ -23,11 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from vlmod.routing.schedule import capacity_to_k, layer_capacities
 from vlmod.tools.flops import DecoderDims, generation_flops
-from vlmod.tools.training_flops import language_training_flops, projector_flops
+from vlmod.tools.training_flops import language_training_flops, media_tokens, projector_flops
 
 # TrainConfig.trainable -> what `language_training_flops` counts ("language" trains the same linears as "full").
 _MODES = {"full": "full", "language": "full", "lora": "lora", "router": "router"}
@@ -96,13 +94,7 @@ def sample_shape(model: Any, processor: Any, data: str | Path, num_frames: int, 
     records = load_records(Path(data))[:limit]
     ds = LlavaDataset(records, processor, Path(data).parent, num_frames=num_frames)
     batch = ds.collate([ds[i] for i in range(len(ds.records))])
-    ids = batch["input_ids"]
-    media = torch.zeros_like(ids, dtype=torch.bool)
-    for key in ("image_token_id", "video_token_id"):
-        token = getattr(model.config, key, None)
-        if token is not None:
-            media |= ids == token
-    n_media = float(media.sum(1, dtype=torch.float64).mean())
+    n_media = media_tokens(model, batch)
     projector = projector_flops(model, n_media, trains=True)
     return SampleShape(
         dims=DecoderDims.from_config(model.config.text_config), tokens=tokens, media=n_media,

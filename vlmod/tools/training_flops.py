@@ -154,7 +154,8 @@ def projector_flops(model: nn.Module, media_tokens: float, trains: bool = True) 
     return {"forward": forward, "backward": 2.0 * forward - each[0] if trains and each else 0.0}
 
 
-def _media_tokens(model: nn.Module, inputs: Mapping[str, object]) -> float:
+def media_tokens(model: nn.Module, inputs: Mapping[str, object]) -> float:
+    """Image and video tokens per sequence of a collated batch, on average."""
     ids = inputs["input_ids"]
     media = torch.zeros_like(ids, dtype=torch.bool)
     for key in ("image_token_id", "video_token_id"):
@@ -182,7 +183,7 @@ def training_flops(
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     prefill = generation_flops(base, inputs, trace)
     vision = prefill["vision"]
-    projector = projector_flops(base, _media_tokens(base, inputs), trains=trainable != "router")
+    projector = projector_flops(base, media_tokens(base, inputs), trains=trainable != "router")
     projector_step = projector["forward"] + projector["backward"]
     dims = DecoderDims.from_config(base.config.text_config)
     tokens = float(inputs["attention_mask"].sum(1, dtype=torch.float64).mean())
@@ -206,6 +207,7 @@ __all__ = [
     "LORA_TARGETS",
     "TRAINABLE_FLOPS",
     "language_training_flops",
+    "media_tokens",
     "lora_layer_flops",
     "projector_flops",
     "training_flops",
