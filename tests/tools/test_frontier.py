@@ -16,11 +16,16 @@ from vlmod.data.synthetic import generate
 from vlmod.data.synthetic_video import TEMPORAL_TYPES, VIDEO_QUESTION_TYPES, video_sample
 from vlmod.evaluation.evaluate import evaluate
 from vlmod.evaluation.frontier import (
+    REACH_TOLERANCE,
     TokenCounts,
+    max_reduction,
     mod_language_flops,
+    reaches,
     solve_capacity,
     solve_frames,
     solve_keep,
+    solve_stacked,
+    stacked_language_flops,
 )
 from vlmod.models import tiny
 from vlmod.tools.flops import DecoderDims, hf_vision_dims, language_prefill_flops, vit_flops
@@ -185,6 +190,38 @@ def test_reduction_flops_are_the_kept_tokens(model_and_processor: tuple, batch: 
     assert tower < counted["vision"] < tower * 1.05  # the tower plus its CLS scoring
 
 
+def test_reduction_stacked_on_mod_routes_the_kept_vision_tokens(model_and_processor: tuple, batch: dict,
+                                                                 video_set: Path) -> None:
+    """Behind a pre-LLM reduction the language model gets embeddings, where a vision feature is
+    not its placeholder's embedding: the kept tokens are still typed video, so MoD routes them,
+    and the FLOPs count each MoD layer on what it ran."""
+    model, processor = model_and_processor
+    vlmod.apply_mod(model, vlmod.MoDConfig(capacity=0.25, layers=[1, 2, 3], routable=("video",)))
+    try:
+        reducer = PreLLMReduction(model, 0.5, "mean")
+        with torch.no_grad(), vlmod.trace_routing(model) as trace:
+            reducer(**batch)
+        reduced = reducer.reduce(batch)
+        video = reduced["input_ids"] == model.config.video_token_id
+        kept = reduced["attention_mask"].bool()
+        assert torch.equal(trace.token_types == vlmod.TokenType.VIDEO, video & kept)
+        assert torch.equal((video & kept).sum(1), torch.full((3,), 32))  # half of 64
+        for processed in trace.processed.values():
+            assert torch.equal((processed & video).sum(1), torch.full((3,), math.ceil(0.25 * 32)))
+            assert bool(processed[kept & ~video].all())  # text always runs
+        counted = reduction_flops(reducer, batch, trace)
+        dims = DecoderDims.from_config(model.config.text_config)
+        tokens = float(kept.sum(1).double().mean())
+        routed = {i: tokens - 32 + 8 for i in (1, 2, 3)}
+        assert counted["language"] == pytest.approx(language_prefill_flops(dims, tokens, routed))
+        assert counted["language"] < reduction_flops(reducer, batch)["language"]
+        assert "token_types" not in vars(next(p for p in vlmod.routing.trace.find_parts(model)).adapter)
+        new = reducer.generate(**_prompts(video_set, processor), max_new_tokens=3, do_sample=False)
+        assert new.shape[1] == _prompts(video_set, processor)["input_ids"].shape[1] + 3
+    finally:
+        vlmod.remove_mod(model)
+
+
 @pytest.mark.parametrize("scoring", ["cls", "mean"])
 def test_reduction_scores_are_the_towers_own_attention(scoring: str) -> None:
     """Against the CLIP tower's own attention probabilities (eager attention, output_attentions)
@@ -298,6 +335,72 @@ def test_compute_points_in_whole_slots_never_land_above_their_flops(schedule: st
             keep = solve_keep(dims, counts, target)  # pre-LLM reduction keeps ceil(keep * n) too
             assert dense / language_prefill_flops(dims, counts.text + math.ceil(keep * 64 - 1e-9)) >= target
             assert dense / language_prefill_flops(dims, counts.text + math.ceil(keep * 64 - 1e-9) + 1) < target
+
+
+def test_stacked_points_split_the_reduction_and_reach_past_mods_ceiling() -> None:
+    """Layer 0 dense and the text always run: MoD alone stops near 5x on these counts (the video
+    recipe's: 8 layers, 12.5 text and 128 vision tokens); pre-LLM reduction under it shrinks layer
+    0's tokens too, so the stack reaches 8x, in whole slots, at or under the point's FLOPs."""
+    dims = DecoderDims(dim=128, layers=8, heads=8, kv_heads=2, head_dim=16, mlp_hidden=256, vocab=200)
+    counts = TokenCounts(text=12.5, vision=128, frames=8)
+    dense = language_prefill_flops(dims, counts.total)
+    layers = list(range(1, 8))
+    mod = max_reduction(dims, counts, "mod", layers)
+    assert 5.0 < mod < 8.0 * (1 - REACH_TOLERANCE) and reaches(mod, 5.0) and not reaches(mod, 8.0)
+    assert max_reduction(dims, counts, "stacked", layers) > max_reduction(dims, counts, "frames") > mod
+    for target in (1.5, 3.0, 5.0, 8.0):
+        keep, capacity = solve_stacked(dims, counts, target, layers, None)
+        assert keep * 128 == round(keep * 128) and 0 < capacity <= 1
+        kept = math.ceil(keep * 128 - 1e-9)
+        assert capacity * kept == pytest.approx(round(capacity * kept))  # whole slots of the kept tokens
+        reduction = dense / stacked_language_flops(dims, counts, keep, capacity, layers, None)
+        assert target <= reduction < dense / stacked_language_flops(dims, counts, keep, capacity - 1.01 / kept, layers,
+                                                                    None) or capacity * kept == 1
+        assert reduction < target * 1.1
+        # The reduction does its share (the square root) unless MoD could not reach the rest on it.
+        assert dense / language_prefill_flops(dims, counts.text + kept) <= target ** 0.5 * 1.05
+    # Most of the reduction asked of MoD: the reduction keeps less, so that MoD at its floor reaches.
+    keep, capacity = solve_stacked(dims, counts, 8.0, layers, None, share=0.05)
+    assert keep < solve_keep(dims, counts, 8.0 ** 0.05) and dense / stacked_language_flops(
+        dims, counts, keep, capacity, layers, None) >= 8.0 * (1 - REACH_TOLERANCE)
+    assert solve_stacked(dims, counts, 100.0, layers, None) is None  # past the text-only floor
+
+
+def test_the_recipe_solves_every_point_or_says_it_is_out_of_reach() -> None:
+    from vlmod.recipes.points import solve_points
+    from vlmod.recipes.settings import RecipeSettings
+
+    dims = DecoderDims(dim=128, layers=8, heads=8, kv_heads=2, head_dim=16, mlp_hidden=256, vocab=200)
+    s = RecipeSettings.for_task("video")
+    points, ceilings = solve_points(dims, TokenCounts(text=12.5, vision=128, frames=8), s, list(range(1, 8)), 1e5)
+    assert [p["target"] for p in points] == [1.5, 2.0, 3.0, 3.5, 5.0, 8.0]
+    for p in points:
+        for method, ceiling in ceilings.items():
+            assert (method in p["out_of_reach"]) == (ceiling < p["target"] * (1 - REACH_TOLERANCE))
+        assert (p["capacity"] is None) == ("learned" in p["out_of_reach"])
+        assert (p["stack_keep"] is None) == ("stacked" in p["out_of_reach"])
+        assert all(v >= p["target"] for m, v in p["predicted"].items() if m != "frames")
+    eight = points[-1]
+    assert {"learned", "random", "stride", "attention"} <= set(eight["out_of_reach"]) and eight["stack_keep"]
+
+
+def test_a_row_counts_the_whole_prefill() -> None:
+    from types import SimpleNamespace
+
+    from vlmod.evaluation.frontier import format_frontier, out_of_reach, row
+
+    report = SimpleNamespace(flops_by_part={"vision": 4e9, "language": 2e9}, dense_flops_by_part={"vision": 4e9,
+                             "language": 10e9}, accuracy=0.5, accuracy_by_type={}, answer_loss=1.0,
+                             mean_processed_fraction=0.2, samples=[SimpleNamespace(correct=True)] * 2)
+    r = row("learned", 5.0, "capacity 0.1", report, projector=1e9)
+    assert r["gflops"] == {"vision": 4.0, "language": 2.0, "projector": 1.0} and r["gflops_total"] == 7.0
+    assert r["language_reduction"] == 5.0 and r["total_reduction"] == pytest.approx(15 / 7)
+    # Fewer frames: the tower and projector ran less, against the dense model on every frame.
+    fewer = row("frames", 5.0, "2 of 8", report, projector=0.25e9,
+                dense_reference={"vision": 16e9, "language": 10e9, "projector": 1e9})
+    assert fewer["total_reduction"] == pytest.approx(27 / 6.25) and fewer["language_reduction"] == 5.0
+    table = format_frontier([r], unreachable=[out_of_reach("attention", 5.0, 4.54)])
+    assert "| /5 | out of reach (at most 4.54x) |" in table and "| 7.0000 | 5.00x | 2.14x |" in table
 
 
 # ----------------------------------------------------------------------------- capacity-elastic fine-tuning
@@ -423,3 +526,9 @@ def test_a_baseline_on_the_first_questions_is_compared_with_mod_on_the_same_ques
     assert "beaten by random (50.0%)" in verdicts([dense, mod, baseline])[0]
     worse = _row("random", "0" * 30 + "1" * 10, 3.0, 3.0)  # 25% on the first 40: a tie is no defeat
     assert "best of all methods" in verdicts([dense, mod, worse])[0]
+    # Past MoD's reach the stack stands for it, compared on the questions both answered.
+    stacked = _row("stacked", "1" * 30 + "0" * 10, 8.0, 8.0)
+    reduce = _row("reduce", "1" * 35 + "0" * 5, 8.0, 8.0)
+    line = verdicts([dense, mod, stacked, reduce])[1]
+    assert line.startswith("/8 (8.00x fewer LM FLOPs measured): MoD out of reach; MoD stacked on pre-LLM reduction 75.0%")
+    assert line.endswith("beaten by reduce (87.5%)")

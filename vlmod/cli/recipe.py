@@ -36,6 +36,12 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("capacity_warmup", non_negative_float, "share of the MoD fine-tune over which capacity falls from 1.0 to "
                                             "each step's draw (or a step count if >= 1)"),
     ("mod_layers", str, "converted language layers: 'all' (every layer but 0) or 'arank:N'"),
+    ("stack_share", float, "MoD stacked on pre-LLM reduction: the reduction's share of each point's LM FLOPs "
+                           "reduction, in log terms (0.5: each does the square root), MoD the rest"),
+    ("stack_scoring", str, "MoD stacked on pre-LLM reduction: its ranking, cls or mean (every query's attention)"),
+    ("image_size", positive_int, "image / frame side in pixels (vision tokens: (side / patch)^2 an image, a "
+                                 "quarter of that a frame)"),
+    ("patch_size", positive_int, "vision tower patch side in pixels"),
     ("schedule", str, "per-layer capacity schedule: none or cosine"),
     ("seed", int, "seed of data, init, training and evaluation"),
 )
@@ -71,6 +77,8 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     parser.add_argument("--image-model", default=None, metavar="DIR",
                         help="video task: start from this image LLaVA of the same sizes (e.g. the image recipe's "
                              "runs/synthetic-image/dense/model) instead of training the image stage (default: train it)")
+    parser.add_argument("--stacked", action=argparse.BooleanOptionalAction, default=None,
+                        help="evaluate MoD stacked on pre-LLM reduction at every point (default: on)")
     parser.add_argument("--captions", action=argparse.BooleanOptionalAction, default=None,
                         help="a caption record (every object in words) beside each training sample "
                              "(default: image off, video on)")
@@ -114,8 +122,9 @@ def run_recipe_command(args: argparse.Namespace) -> int:
         overrides["routers"] = tuple(args.routers)
     if args.threads is not None:
         overrides["threads"] = args.threads
-    if args.captions is not None:
-        overrides["captions"] = args.captions
+    for flag in ("captions", "stacked"):
+        if getattr(args, flag) is not None:
+            overrides[flag] = getattr(args, flag)
     if args.no_distill:
         overrides["distill"] = False
     if args.dense_control:

@@ -8,10 +8,18 @@ on the eval set's mean token counts:
   `attention` router on the dense weights): the mean capacity of the converted layers;
 - pre-LLM reduction (`reduce`, VisionZip-like, `vlmod.tools.reduction`): the fraction of vision tokens
   kept;
-- frame subsampling (`frames`, video): the number of frames, the nearest whole number.
+- frame subsampling (`frames`, video): the number of frames, the nearest whole number;
+- MoD stacked on pre-LLM reduction (`stacked`): the kept fraction that reaches `share` of the
+  reduction (in log terms: `reduction ** share`), then the MoD capacity on the kept tokens that
+  reaches the rest (`solve_stacked`).
+
+Every knob has a floor (one token per MoD layer, one kept token, one frame), so each method has
+a largest reduction it can reach (`max_reduction`); a point past it is out of that method's reach
+(`reaches`, within `REACH_TOLERANCE`) and is reported as such, not evaluated.
 
 The FLOPs reported are those each evaluation counted (the tokens really run, each method's own
-overhead included), so a knob that lands off its target shows as such.
+overhead included), so a knob that lands off its target shows as such. Each row also carries the
+whole prefill: vision tower, projector and language model (`gflops_total`, `total_reduction`).
 """
 
 from __future__ import annotations
@@ -35,7 +43,11 @@ METHOD_LABELS = {
     "frames": "frame subsampling (dense)",
     "learned+vision": "MoD learned + vision tower MoD (attention router)",
     "dense-control": "dense, fine-tuned again as the MoD stage (control)",
+    "stacked": "MoD learned on pre-LLM reduction (every query's attention), stacked",
 }
+# A point is within a method's reach if its largest reduction is at least (1 - this) x the target.
+REACH_TOLERANCE = 0.03
+MIN_FRACTION = 1e-4  # the least capacity / kept fraction tried: one slot (k = ceil(c * n) >= 1)
 
 
 @dataclass(frozen=True)
@@ -92,17 +104,81 @@ def solve_capacity(dims: DecoderDims, counts: TokenCounts, reduction: float, lay
     its FLOPs because k was rounded up); the smallest capacity tried (1e-4) where the target is out
     of reach."""
     target = language_prefill_flops(dims, counts.total) / reduction
-    capacity = _bisect(lambda c: mod_language_flops(dims, counts, c, layers, schedule, overhead_per_layer), 1e-4,
-                       1.0, target, at_most=True)
+    return _capacity_for(dims, counts, target, layers, schedule, overhead_per_layer)
+
+
+def _capacity_for(dims: DecoderDims, counts: TokenCounts, target: float, layers: Sequence[int],
+                  schedule: str | None, overhead_per_layer: float = 0.0) -> float:
+    capacity = _bisect(lambda c: mod_language_flops(dims, counts, c, layers, schedule, overhead_per_layer),
+                       MIN_FRACTION, 1.0, target, at_most=True)
     return _whole_slots(capacity, counts.vision) if schedule is None else capacity
+
+
+def _kept(counts: TokenCounts, keep: float) -> TokenCounts:
+    """The token counts after a pre-LLM reduction keeps `keep` of the vision tokens (whole slots)."""
+    return TokenCounts(text=counts.text, vision=_routed(keep, counts.vision), frames=counts.frames)
+
+
+def stacked_language_flops(dims: DecoderDims, counts: TokenCounts, keep: float, capacity: float,
+                           layers: Sequence[int], schedule: str | None) -> float:
+    """Language prefill FLOPs of MoD at mean `capacity` on what a pre-LLM reduction keeping `keep`
+    of the vision tokens leaves (the capacity is a share of the kept tokens)."""
+    return mod_language_flops(dims, _kept(counts, keep), capacity, layers, schedule)
+
+
+def solve_stacked(dims: DecoderDims, counts: TokenCounts, reduction: float, layers: Sequence[int],
+                  schedule: str | None, share: float = 0.5) -> tuple[float, float] | None:
+    """(kept fraction, MoD capacity on the kept tokens) of MoD stacked on pre-LLM reduction at
+    dense / `reduction` LM FLOPs, or None out of reach. The reduction takes `share` of the
+    reduction in log terms (keep for `reduction ** share`, so 0.5 splits it evenly), MoD the rest;
+    where MoD cannot reach the rest on what that keeps (its floor: one token per MoD layer, and
+    the dense layers on every kept token), the reduction keeps less: the most tokens at which MoD
+    at its floor still reaches the point."""
+    target = language_prefill_flops(dims, counts.total) / reduction
+    keep = solve_keep(dims, counts, reduction ** share)
+
+    def floor(k: float) -> float:
+        return stacked_language_flops(dims, counts, k, MIN_FRACTION, layers, schedule)
+
+    if floor(keep) > target:
+        keep = _whole_slots(_bisect(floor, MIN_FRACTION, keep, target, at_most=True), counts.vision)
+        if not reaches(target * reduction / floor(keep), reduction):
+            return None
+    return keep, _capacity_for(dims, _kept(counts, keep), target, layers, schedule)
+
+
+def max_reduction(dims: DecoderDims, counts: TokenCounts, method: str, layers: Sequence[int] = (),
+                  schedule: str | None = None, overhead_per_layer: float = 0.0) -> float:
+    """The largest LM prefill FLOPs reduction `method` can reach, at its knob's floor: MoD one
+    token per converted layer ("mod", with `overhead_per_layer` for the attention router), pre-LLM
+    reduction one kept token ("reduce"), both ("stacked"), frame subsampling one frame ("frames")."""
+    dense = language_prefill_flops(dims, counts.total)
+    if method == "mod":
+        return dense / mod_language_flops(dims, counts, MIN_FRACTION, layers, schedule, overhead_per_layer)
+    if method == "reduce":
+        return dense / reduce_language_flops(dims, counts, MIN_FRACTION)
+    if method == "stacked":
+        return dense / stacked_language_flops(dims, counts, MIN_FRACTION, MIN_FRACTION, layers, schedule)
+    if method == "frames":
+        return dense / language_prefill_flops(dims, counts.text + counts.vision / counts.frames)
+    raise ValueError(f"unknown method {method!r}: mod, reduce, stacked or frames")
+
+
+def reaches(ceiling: float, reduction: float) -> bool:
+    """Whether a method whose largest reduction is `ceiling` reaches the point (`REACH_TOLERANCE`)."""
+    return ceiling >= reduction * (1 - REACH_TOLERANCE)
+
+
+def reduce_language_flops(dims: DecoderDims, counts: TokenCounts, keep: float) -> float:
+    """Language prefill FLOPs after a pre-LLM reduction keeps `keep` of the vision tokens."""
+    return language_prefill_flops(dims, counts.text + _routed(keep, counts.vision))
 
 
 def solve_keep(dims: DecoderDims, counts: TokenCounts, reduction: float) -> float:
     """Fraction of vision tokens a pre-LLM reduction keeps for at most dense / `reduction` LM FLOPs
     (it keeps ceil(keep * n) too)."""
     target = language_prefill_flops(dims, counts.total) / reduction
-    keep = _bisect(lambda r: language_prefill_flops(dims, counts.text + _routed(r, counts.vision)), 1e-4, 1.0,
-                   target, at_most=True)
+    keep = _bisect(lambda r: reduce_language_flops(dims, counts, r), MIN_FRACTION, 1.0, target, at_most=True)
     return _whole_slots(keep, counts.vision)
 
 
@@ -118,14 +194,22 @@ def solve_frames(dims: DecoderDims, counts: TokenCounts, reduction: float) -> in
 
 
 def row(method: str, target: float | None, setting: str, report: Any, extra_language_flops: float = 0.0,
-        dense_language: float | None = None) -> dict[str, Any]:
+        dense_language: float | None = None, projector: float = 0.0,
+        dense_reference: Mapping[str, float] | None = None) -> dict[str, Any]:
     """One frontier row from an `EvalReport` (plus a method overhead the report did not count).
-    `dense_language`: the dense model's LM FLOPs on the full inputs, the reduction's reference
-    (default: the report's own dense count, which for frame subsampling is on fewer frames)."""
+
+    `projector`: the projector's prefill FLOPs per sample on the vision tokens this method fed it
+    (the report counts the tower and the language model only). `dense_reference`: the dense
+    model's FLOPs per sample by part ("vision", "projector", "language") on the full inputs, the
+    reductions' reference (default: the report's own dense count plus `projector`, which for frame
+    subsampling is on fewer frames); `dense_language` overrides its language part alone."""
     parts = dict(report.flops_by_part)
-    dense = dict(report.dense_flops_by_part)
     parts["language"] = parts.get("language", 0.0) + extra_language_flops
-    reference = dense["language"] if dense_language is None else dense_language
+    parts["projector"] = projector
+    dense = {**report.dense_flops_by_part, "projector": projector, **(dense_reference or {})}
+    if dense_language is not None:
+        dense["language"] = dense_language
+    total, dense_total = sum(parts.values()), sum(dense.values())
     return {
         "method": method,
         "label": METHOD_LABELS.get(method, method),
@@ -137,13 +221,21 @@ def row(method: str, target: float | None, setting: str, report: Any, extra_lang
         "vision_tokens_run": report.mean_processed_fraction,
         "gflops": {k: v / 1e9 for k, v in parts.items()},
         "dense_gflops": {k: v / 1e9 for k, v in dense.items()},
-        "gflops_total": sum(parts.values()) / 1e9,
-        "language_reduction": reference / parts["language"] if parts.get("language") else 1.0,
+        # The whole prefill: vision tower (with any scoring or pooling), projector, language model.
+        "gflops_total": total / 1e9,
+        "language_reduction": dense["language"] / parts["language"] if parts.get("language") else 1.0,
+        "total_reduction": dense_total / total if total else 1.0,
         "samples": len(report.samples),
         # Per question, in eval order (1 = right): every method answers the same questions, so the
         # gap to dense is a paired difference (`paired_gap`).
         "correct": "".join("1" if x.correct else "0" for x in report.samples),
     }
+
+
+def out_of_reach(method: str, target: float, ceiling: float) -> dict[str, Any]:
+    """The record of a point `method` cannot reach: its largest reduction instead of a row."""
+    return {"method": method, "label": METHOD_LABELS.get(method, method), "target": target,
+            "max_language_reduction": ceiling}
 
 
 def paired_gap(a: Mapping[str, Any], b: Mapping[str, Any]) -> tuple[float, float, float] | None:
@@ -178,20 +270,42 @@ def _gap_text(mod: Mapping[str, Any], dense: Mapping[str, Any], name: str = "den
     return f"{gap[0]:+.1f} points vs {name}, 95% interval {gap[1]:+.1f} to {gap[2]:+.1f}"
 
 
-def format_frontier(rows: Sequence[Mapping[str, Any]], temporal: Sequence[str] = ()) -> str:
-    """Markdown: one line per (method, compute point); types marked * need several frames."""
+def format_frontier(rows: Sequence[Mapping[str, Any]], temporal: Sequence[str] = (),
+                    unreachable: Sequence[Mapping[str, Any]] = ()) -> str:
+    """Markdown: one line per (method, compute point); types marked * need several frames. The
+    `unreachable` points (`out_of_reach`) follow their compute point's rows, their largest
+    reduction in the setting column. The total columns count the whole prefill: tower (with any
+    scoring), projector and language model."""
     types = sorted({t for r in rows for t in r["accuracy_by_type"]}, key=lambda t: (t not in temporal, t))
     headers = ["method", "LM FLOPs target", "setting", "accuracy", *(f"{t}*" if t in temporal else t for t in types),
-               "answer loss", "vision tokens run", "LM GFLOPs", "vision GFLOPs", "LM reduction"]
+               "answer loss", "vision tokens run", "LM GFLOPs", "vision GFLOPs", "projector GFLOPs", "total GFLOPs",
+               "LM reduction", "total reduction"]
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    missing = list(unreachable)
+
+    def flush(before: float | None) -> None:
+        """The out-of-reach points up to compute point `before` (None: every one left)."""
+        for u in [u for u in missing if before is None or u["target"] <= before]:
+            missing.remove(u)
+            cells = [u["label"], f"/{u['target']:g}", f"out of reach (at most {u['max_language_reduction']:.2f}x)",
+                     *["-"] * (len(headers) - 3)]
+            lines.append("| " + " | ".join(cells) + " |")
+
+    last = None
     for r in rows:
+        if last is not None and r["target"] != last:
+            flush(last)
+        last = r["target"] if r["target"] is not None else last
+        g = r["gflops"]
         cells = [
             r["label"], "-" if r["target"] is None else f"/{r['target']:g}", r["setting"], f"{100 * r['accuracy']:.1f}%",
             *(_pct(r["accuracy_by_type"].get(t)) for t in types), f"{r['answer_loss']:.3f}",
-            f"{100 * r['vision_tokens_run']:.0f}%", f"{r['gflops'].get('language', 0):.4f}",
-            f"{r['gflops'].get('vision', 0):.4f}", f"{r['language_reduction']:.2f}x",
+            f"{100 * r['vision_tokens_run']:.0f}%", f"{g.get('language', 0):.4f}", f"{g.get('vision', 0):.4f}",
+            f"{g.get('projector', 0):.4f}", f"{r.get('gflops_total', 0):.4f}", f"{r['language_reduction']:.2f}x",
+            "-" if r.get("total_reduction") is None else f"{r['total_reduction']:.2f}x",
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    flush(None)
     return "\n".join(lines)
 
 
@@ -207,14 +321,17 @@ def verdicts(rows: Sequence[Mapping[str, Any]], goal: float = 3.0, within: float
     targets = sorted({r["target"] for r in rows if r["target"] is not None})
     for t in targets:
         at = [r for r in rows if r["target"] == t and r["method"] != "learned+vision"]
-        mod = next((r for r in at if r["method"] == "learned"), None)
+        # Past MoD's reach (layer 0 dense), MoD stacked on pre-LLM reduction stands for it.
+        mod = next((r for r in at if r["method"] == "learned"), None) or next(
+            (r for r in at if r["method"] == "stacked"), None)
         if mod is None:
             continue
-        better = [r for r in at if r["method"] != "learned" and _accuracy_on(r, mod) > _accuracy_on(mod, r)]
+        name = "MoD" if mod["method"] == "learned" else "MoD out of reach; MoD stacked on pre-LLM reduction"
+        better = [r for r in at if r is not mod and _accuracy_on(r, mod) > _accuracy_on(mod, r)]
         best = "best of all methods" if not better else "beaten by " + ", ".join(
             f"{r['method']} ({100 * r['accuracy']:.1f}%)" for r in better)
         lines.append(
-            f"/{t:g} ({mod['language_reduction']:.2f}x fewer LM FLOPs measured): MoD {100 * mod['accuracy']:.1f}% "
+            f"/{t:g} ({mod['language_reduction']:.2f}x fewer LM FLOPs measured): {name} {100 * mod['accuracy']:.1f}% "
             f"({_gap_text(mod, dense)}): {best}"
         )
     reached = [r for r in rows if r["method"] == "learned" and r["language_reduction"] >= goal * 0.97]
@@ -248,8 +365,14 @@ def verdicts(rows: Sequence[Mapping[str, Any]], goal: float = 3.0, within: float
     return lines
 
 
+def _x(r: Mapping[str, Any], axis: str) -> float:
+    return r["gflops"]["language"] if axis == "language" else r["gflops_total"]
+
+
 def plot_frontier(rows: Sequence[Mapping[str, Any]], path: str | Path, title: str) -> None:
-    """PNG: accuracy against language-model prefill GFLOPs per sample, one curve per method."""
+    """PNG: accuracy against prefill GFLOPs per sample, one curve per method, in two panels: the
+    language model's (what the compute points hold equal) and the whole prefill's (tower,
+    projector and language model: what a method's tower, scoring or fewer frames change too)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -257,28 +380,31 @@ def plot_frontier(rows: Sequence[Mapping[str, Any]], path: str | Path, title: st
 
     from vlmod.io.files import write_bytes_atomic
 
-    fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=120)
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), dpi=120, sharey=True)
     dense = next(r for r in rows if r["method"] == "dense")
-    markers = dict(zip(METHOD_LABELS, "*os^vDdPXh", strict=False))
-    for method in METHOD_LABELS:
-        points = sorted((r for r in rows if r["method"] == method), key=lambda r: r["gflops"]["language"])
-        if not points or method in ("dense", "dense-control"):
-            continue
-        xs = [r["gflops"]["language"] for r in points] + [dense["gflops"]["language"]]
-        ys = [100 * r["accuracy"] for r in points] + [100 * dense["accuracy"]]
-        if method == "learned+vision":
-            xs, ys = xs[:-1], ys[:-1]
-        ax.plot(xs, ys, marker=markers[method], label=METHOD_LABELS[method], linewidth=2.2 if method == "learned" else 1.2)
-    ax.plot([dense["gflops"]["language"]], [100 * dense["accuracy"]], "k*", markersize=14, label="dense")
-    for control in (r for r in rows if r["method"] == "dense-control"):
-        ax.plot([control["gflops"]["language"]], [100 * control["accuracy"]], "*", color="gray", markersize=12,
-                label=METHOD_LABELS["dense-control"])
-    ax.axhline(100 * dense["accuracy"] - 1, color="gray", linestyle=":", linewidth=1, label="dense - 1 point")
-    ax.set_xlabel("language-model prefill GFLOPs per sample")
-    ax.set_ylabel("accuracy (%)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="lower right")
+    markers = dict(zip(METHOD_LABELS, "*os^vDdPXh<", strict=True))
+    for ax, axis, xlabel in ((axes[0], "language", "language-model prefill GFLOPs per sample"),
+                             (axes[1], "total", "total prefill GFLOPs per sample (tower + projector + LM)")):
+        for method in METHOD_LABELS:
+            points = sorted((r for r in rows if r["method"] == method), key=lambda r: _x(r, axis))
+            if not points or method in ("dense", "dense-control"):
+                continue
+            xs = [_x(r, axis) for r in points] + [_x(dense, axis)]
+            ys = [100 * r["accuracy"] for r in points] + [100 * dense["accuracy"]]
+            if method == "learned+vision":
+                xs, ys = xs[:-1], ys[:-1]
+            ax.plot(xs, ys, marker=markers[method], label=METHOD_LABELS[method],
+                    linewidth=2.2 if method == "learned" else 1.2)
+        ax.plot([_x(dense, axis)], [100 * dense["accuracy"]], "k*", markersize=14, label="dense")
+        for control in (r for r in rows if r["method"] == "dense-control"):
+            ax.plot([_x(control, axis)], [100 * control["accuracy"]], "*", color="gray", markersize=12,
+                    label=METHOD_LABELS["dense-control"])
+        ax.axhline(100 * dense["accuracy"] - 1, color="gray", linestyle=":", linewidth=1, label="dense - 1 point")
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("accuracy (%)")
+    axes[1].legend(fontsize=7, loc="lower right")
+    fig.suptitle(title)
     fig.tight_layout()
     import io
 
@@ -289,6 +415,7 @@ def plot_frontier(rows: Sequence[Mapping[str, Any]], path: str | Path, title: st
 
 
 __all__ = [
-    "METHOD_LABELS", "TokenCounts", "format_frontier", "mod_language_flops", "paired_gap", "plot_frontier", "row",
-    "solve_capacity", "solve_frames", "solve_keep", "verdicts",
+    "MIN_FRACTION", "METHOD_LABELS", "REACH_TOLERANCE", "TokenCounts", "format_frontier", "max_reduction",
+    "mod_language_flops", "out_of_reach", "paired_gap", "plot_frontier", "reaches", "reduce_language_flops", "row", "solve_capacity",
+    "solve_frames", "solve_keep", "solve_stacked", "stacked_language_flops", "verdicts",
 ]

@@ -10,16 +10,19 @@ tower first learns what each image patch shows, `vlmod.training.tower_pretrain`;
 the same sizes on image questions, whose weights the video model starts from; `refine_steps`: a
 second dense stage, the tower frozen, distilling the first dense model); 3. rank its
 language layers (ARank, reported; the converted layers are every layer but layer 0 unless
-`mod_layers="arank:N"`); 4. solve the compute points: for each target reduction of language-model
-prefill FLOPs, the MoD capacity, the kept fraction of a pre-LLM reduction and (video) the
-number of frames that reach it (`vlmod.evaluation.frontier`); 5. convert; 6. fine-tune one MoD model with
+`mod_layers="arank:N"`); 4. solve the compute points: for each
+target reduction of language-model prefill FLOPs, the MoD capacity, the kept fraction of a pre-LLM
+reduction, the kept fraction and capacity of MoD stacked on it and (video) the number of frames
+that reach it, or that a method cannot (`vlmod.recipes.points`); 5. convert; 6. fine-tune one MoD model with
 its capacity drawn per step from the compute points' capacities (one model, every point),
 distilling the dense model's answer distribution (`vlmod.training.distill`);
 7. evaluate dense, the fine-tuned MoD model at every point, and at the same points: the random
 and stride routers on its weights, the training-free attention router on the dense weights,
-pre-LLM reduction and frame subsampling of the dense model, and at the main point the MoD model
-with the vision tower routed too (`dense_control`: also the dense model fine-tuned again exactly
-as the MoD stage, unconverted: what the MoD model's extra training alone gives); 8. write
+pre-LLM reduction and frame subsampling of the dense model, the MoD model stacked on pre-LLM
+reduction, and at the main point the MoD model with the vision tower routed too
+(`vlmod.recipes.methods`; every row counts the language model's prefill FLOPs and the whole
+prefill's: tower, projector, language model; `dense_control`: also the dense model fine-tuned
+again exactly as the MoD stage, unconverted: what the MoD model's extra training alone gives); 8. write
 results.json, results.md and frontier.png.
 
 Every stage is a public vlmod function (`vlmod tiny`, `finetune`, `rank`, `convert`, `eval`,
@@ -37,9 +40,7 @@ from typing import Any
 import torch
 from transformers import AutoProcessor
 
-from vlmod.api import apply_mod, set_capacity, set_router
 from vlmod.bench.timing import keeps_threads
-from vlmod.config import MoDConfig
 from vlmod.data.synthetic import generate
 from vlmod.errors import InputError
 from vlmod.evaluation import frontier
@@ -48,6 +49,8 @@ from vlmod.io.files import save_pretrained_atomic, write_json, write_text
 from vlmod.io.hf import load_pretrained
 from vlmod.models import tiny
 from vlmod.recipes.cost import format_costs, run_cost
+from vlmod.recipes.methods import PointEvaluations
+from vlmod.recipes.points import solve_points
 from vlmod.recipes.reuse import (
     CONTROL_STAGES,
     DENSE_RUN,
@@ -61,7 +64,7 @@ from vlmod.recipes.settings import TASKS, VIDEO_POOLS, RecipeResult, RecipeSetti
 from vlmod.tools.calibrate import rank_checkpoint
 from vlmod.tools.convert import ConvertOptions, convert
 from vlmod.tools.flops import DecoderDims, attention_router_flops
-from vlmod.tools.reduction import SCORINGS, PreLLMReduction, reduction_flops
+from vlmod.tools.training_flops import projector_flops
 from vlmod.training.tower_pretrain import pretrain_tower
 from vlmod.training.train import TrainConfig, train
 
@@ -124,9 +127,10 @@ def run_recipe(out: str | Path, settings: RecipeSettings | None = None, progress
     return recipe.write_results()
 
 
-class _Recipe:
+class _Recipe(PointEvaluations):
     """The stages of one recipe run, in the order `run_recipe` calls them; each records what later
-    stages read (the dense model, the compute points, the fine-tuned models) on `self`."""
+    stages read (the dense model, the compute points, the fine-tuned models) on `self`; the
+    methods' evaluations are `vlmod.recipes.methods`."""
 
     def __init__(self, out: Path, s: RecipeSettings, progress: bool, log: Callable[[str], None],
                  reuse_trained: bool) -> None:
@@ -273,11 +277,19 @@ class _Recipe:
     def evaluate_dense(self) -> None:
         s = self.s
         self.processor = AutoProcessor.from_pretrained(self.dense)
-        self.dims = DecoderDims.from_config(load_pretrained(self.dense).config.text_config)
         self.dense_model = load_pretrained(self.dense).eval()
+        self.dims = DecoderDims.from_config(self.dense_model.config.text_config)
+        # The compute points are solved on the prompts each method answers: MoD (and dense) all of
+        # them, the other methods the first `baseline_samples`; at 8x the text is most of what runs,
+        # so the counts of the eval set's first prompts alone put those methods off their points.
+        self.counts = self.stages.run("count tokens", lambda: token_counts(self.processor, self.val_json, s, s.num_val))
+        few = s.baseline_samples and s.baseline_samples < s.num_val
+        self.baseline_counts = token_counts(self.processor, self.val_json, s, s.baseline_samples) if few else self.counts
+        # The projector runs on every vision token that enters it (a linear cost per token).
+        self.projector_per_token = projector_flops(self.dense_model, 1.0, trains=False)["forward"]
         report = self.stages.run("eval dense", lambda: self.evaluated(self.dense_model, "dense"))
         refined = f"refined +{s.refine_steps} steps" if s.refine_steps else "-"
-        self.result.rows.append(frontier.row("dense", None, refined, report))
+        self.add_row("dense", None, refined, report)
         # Frame subsampling's FLOPs reference: the dense model on every frame of the questions it answers.
         self.frames_reference = report
         if self.video and s.baseline_samples and s.baseline_samples < len(report.samples):
@@ -301,24 +313,20 @@ class _Recipe:
         return chosen
 
     def solve_points(self) -> None:
-        """For each target reduction: the MoD capacity, the attention router's capacity (its scoring
-        costs FLOPs too), the pre-LLM reduction's kept fraction and (video) the frames."""
-        s, dims, layers = self.s, self.dims, self.result.layers
-        counts = token_counts(self.processor, self.val_json, s)
-        self.scoring = attention_router_flops(dims, counts.total, counts.text)  # per MoD layer
-        for t in s.targets:
-            point = {
-                "target": t,
-                "capacity": frontier.solve_capacity(dims, counts, t, layers, s.schedule),
-                "attention_capacity": frontier.solve_capacity(dims, counts, t, layers, s.schedule, self.scoring),
-                "keep": frontier.solve_keep(dims, counts, t),
-            }
-            if self.video:
-                point["frames"] = frontier.solve_frames(dims, counts, t)
-            self.result.points.append(point)
-        self.main = min(self.result.points, key=lambda p: abs(p["target"] - s.goal))
-        self.log(f"   tokens per sample: text {counts.text:.1f}, vision {counts.vision:.1f}; "
-                 f"compute points {self.result.points}")
+        """For each target reduction: each method's knob, or out of reach (`vlmod.recipes.points`)."""
+        s, counts = self.s, self.counts
+        self.scoring = attention_router_flops(self.dims, counts.total, counts.text)  # per MoD layer
+        self.result.points, self.result.ceilings = solve_points(self.dims, counts, s, self.result.layers, self.scoring,
+                                                                self.baseline_counts)
+        reached = [p for p in self.result.points if p["capacity"] is not None]
+        if not reached:
+            raise InputError(f"no compute point is within MoD's reach (at most {self.result.ceilings['learned']:.2f}x "
+                             f"on layers {self.result.layers}): give lower --targets")
+        self.main = min(reached, key=lambda p: abs(p["target"] - s.goal))
+        self.log(f"   tokens per sample: text {counts.text:.2f} (the first {s.baseline_samples}: "
+                 f"{self.baseline_counts.text:.2f}), vision {counts.vision:.1f}; largest reductions "
+                 + ", ".join(f"{m} {c:.2f}x" for m, c in self.result.ceilings.items())
+                 + f"; compute points {self.result.points}")
 
     def convert_and_finetune(self) -> None:
         """Convert at the main point, fine-tune one MoD model over every point's capacity, and
@@ -333,7 +341,8 @@ class _Recipe:
         mod_stage = {"trainable": "language", "lr": s.mod_lr, "max_steps": s.mod_steps,
                      "distill_from": str(self.dense) if s.distill else None}
         self.mod = stages.run("train MoD", lambda: self.finetune(
-            self.converted, "mod", router_lr=s.router_lr, capacities=[p["capacity"] for p in result.points],
+            self.converted, "mod", router_lr=s.router_lr,
+            capacities=[p["capacity"] for p in result.points if p["capacity"] is not None],
             capacity_warmup=s.capacity_warmup, **mod_stage,
         ))
         if s.dense_control:
@@ -344,74 +353,7 @@ class _Recipe:
                 self.log(f"   {stage}: reused the earlier run's model (trained in {self.trained[run]:.0f} s)")
         if s.dense_control:
             report = stages.run(CONTROL_STAGES[1], lambda: self.evaluated(load_pretrained(control).eval(), "dense control"))
-            result.rows.append(frontier.row("dense-control", None, f"+{s.mod_steps} steps as the MoD stage", report))
-
-    # -- every method at every compute point ---------------------------------------------------
-
-    def evaluate_points(self) -> None:
-        s, stages, result = self.s, self.stages, self.result
-        self.mod_model = mod_model = load_pretrained(self.mod).eval()
-        attention_model = load_pretrained(self.converted).eval()
-        set_router(attention_model, "attention")
-        for p in result.points:
-            t, cap = p["target"], p["capacity"]
-            set_capacity(mod_model, cap)
-            setting = f"capacity {cap:.3f}"
-            with_router = [("learned", None)] + [(r, r) for r in s.routers if r != "attention"]
-            for method, router in with_router:
-                def run_mod(router: str | None = router, name: str = f"{method} /{t:g}") -> Any:
-                    if router is None:
-                        return self.evaluated(mod_model, name)
-                    set_router(mod_model, router)
-                    try:
-                        return self.evaluated(mod_model, name, baseline=True)
-                    finally:
-                        set_router(mod_model, "learned")
-                result.rows.append(frontier.row(method, t, setting, stages.run(f"eval {method}", run_mod)))
-            if "attention" in s.routers:
-                # Its scoring costs FLOPs too: a lower capacity reaches the same total.
-                set_capacity(attention_model, p["attention_capacity"])
-                report = stages.run("eval attention", lambda n=f"attention /{t:g}": self.evaluated(
-                    attention_model, n, baseline=True))
-                result.rows.append(frontier.row("attention", t, f"capacity {p['attention_capacity']:.3f}", report,
-                                                len(result.layers) * self.scoring))
-            self.evaluate_reduction(p)
-            if self.video:
-                self.evaluate_frames(p)
-
-    def evaluate_reduction(self, p: dict[str, Any]) -> None:
-        """Pre-LLM reduction with both of VisionZip's rankings: these towers are trained from scratch
-        under LLaVA, which reads only the patches, so nothing trains their CLS; which ranking is the
-        stronger varies by model."""
-        t = p["target"]
-        for rank_by, method in zip(SCORINGS, ("reduce", "reduce-mean"), strict=True):
-            reducer = PreLLMReduction(self.dense_model, p["keep"], rank_by)
-            report = self.stages.run("eval reduce", lambda r=reducer, n=f"{method} /{t:g}": self.evaluated(
-                r, n, baseline=True, flops_fn=reduction_flops))
-            report.processed_fraction = {"kept": p["keep"]}
-            self.result.rows.append(frontier.row(method, t, f"keep {p['keep']:.3f}", report))
-
-    def evaluate_frames(self, p: dict[str, Any]) -> None:
-        """Frame subsampling of the dense model, against the dense model on every frame."""
-        f, t = p["frames"], p["target"]
-        report = self.stages.run("eval frames", lambda: self.evaluated(
-            self.dense_model, f"frames {f}", baseline=True, num_frames=f))
-        report.processed_fraction = {"frames": f / self.s.frames}
-        # Against the dense model on every frame, not the report's own dense count on fewer.
-        self.result.rows.append(frontier.row("frames", t, f"{f} of {self.s.frames} frames", report,
-                                             dense_language=self.frames_reference.flops_by_part["language"]))
-
-    def evaluate_vision_mod(self) -> None:
-        """The main point again with the vision tower routed too (training-free, CLS attention)."""
-        s, main = self.s, self.main
-        set_capacity(self.mod_model, main["capacity"])
-        tower = MoDConfig(capacity=s.vision_capacity, layers=[s.vision_layers - 1], routable=("image",), router="attention")
-        apply_mod(self.mod_model, tower, part="vision")
-        report = self.stages.run("eval vision MoD", lambda: self.evaluated(
-            self.mod_model, "learned + vision tower", baseline=True))
-        report.processed_fraction = {k: v for k, v in report.processed_fraction.items() if k.startswith("language")}
-        self.result.rows.append(frontier.row("learned+vision", main["target"],
-                                             f"capacity {main['capacity']:.3f}, tower {s.vision_capacity:g}", report))
+            self.add_row("dense-control", None, f"+{s.mod_steps} steps as the MoD stage", report)
 
     def record_costs(self) -> None:
         """Each training stage's step time, tokens a second and training FLOPs (`vlmod.recipes.cost`),
@@ -440,7 +382,7 @@ def format_results(result: RecipeResult) -> str:
 
     s = result.settings
     temporal = TEMPORAL_TYPES if s.task == "video" else ()
-    lines = [format_frontier(result.rows, temporal), ""]
+    lines = [format_frontier(result.rows, temporal, result.unreachable), ""]
     if temporal:
         lines += ["(* needs several frames)", ""]
     lines.append(f"- converted language layers {result.layers} of {s.layers}; ARank normalised ranks "
@@ -449,6 +391,14 @@ def format_results(result: RecipeResult) -> str:
     if s.baseline_samples and s.baseline_samples < dense["samples"]:
         lines.append(f"- questions: dense, the control and MoD answered all {dense['samples']} validation "
                      f"questions, the other methods the first {s.baseline_samples} (each compared with MoD on those)")
+    if result.ceilings:
+        lines.append("- the largest LM prefill FLOPs reduction each method can reach here (its knob at one token, "
+                     "one kept token, one frame): " + ", ".join(f"{m} {c:.2f}x" for m, c in result.ceilings.items()))
+    if result.unreachable:
+        lines.append("- out of reach, not evaluated: " + ", ".join(
+            f"{u['method']} /{u['target']:g}" for u in result.unreachable))
+    lines.append("- total: the whole prefill (vision tower with any scoring, projector, language model); total "
+                 "reduction against dense on the same inputs")
     lines += [f"- {v}" for v in verdicts(result.rows, s.goal)]
     aim = "aim >= 90%" + (", >= 85% on each type that needs several frames" if temporal else "")
     lines.append(f"- dense accuracy {100 * dense['accuracy']:.1f}% ({aim}), by type "

@@ -53,7 +53,7 @@ class RecipeSettings:
     batch_size: int = 32
     mod_layers: str = "all"
     schedule: str | None = None
-    targets: tuple[float, ...] = (1.5, 2.0, 3.0, 3.5)
+    targets: tuple[float, ...] = (1.5, 2.0, 3.0, 3.5, 5.0, 8.0)
     goal: float = 3.0
     rank_samples: int = 64
     mod_steps: int = 2100
@@ -62,6 +62,9 @@ class RecipeSettings:
     router_lr: float = 5e-3
     routers: tuple[str, ...] = ("random", "stride", "attention")
     vision_capacity: float = 0.5
+    stacked: bool = True  # MoD stacked on pre-LLM reduction at every point (`vlmod.evaluation.frontier.solve_stacked`)
+    stack_share: float = 0.5  # the pre-LLM reduction's share of a stacked point's reduction, in log terms
+    stack_scoring: str = "mean"  # its ranking (`vlmod.tools.reduction.SCORINGS`)
     distill: bool = True
     dense_control: bool = False
     eval_batch_size: int = 32
@@ -84,12 +87,17 @@ class RecipeSettings:
                         image_steps=2000, num_train_images=8000, dense_steps=2000, mod_steps=1500, mod_lr=1e-3,
                         tower_steps=1500, refine_steps=1500)
         if quick:
+            # Every compute point of the full recipe, and its depth and vision tokens per sample (64 an
+            # image, 128 a clip: 8 frames of 16), so the same points are within (or out of) each method's reach.
             base.update(
-                num_train=32 if task == "image" else 28, num_val=8 if task == "image" else 14, width=64, layers=4,
-                vision_width=32, patch_size=8, dense_steps=3, mod_steps=2, rank_samples=4, batch_size=8,
-                frames=4, eval_batch_size=16, targets=(1.5, 3.0),
+                num_train=32 if task == "image" else 28, num_val=8 if task == "image" else 7, width=64,
+                vision_width=32, dense_steps=3, mod_steps=2, rank_samples=4, batch_size=8, eval_batch_size=16,
+                # Matrices this small run faster on one thread: a second one's sync costs more than
+                # its share of the work (an eval of 4 clips took 4.0 s on two threads, 0.3 s on one,
+                # on a busy machine).
+                threads=1,
             )
-            base.update(baseline_samples=6 if task == "image" else 5)
+            base.update(baseline_samples=4)
             if task == "video":
                 base.update(image_steps=2, num_train_images=16, tower_steps=2, refine_steps=2)
         base.update(overrides)
@@ -102,6 +110,11 @@ class RecipeSettings:
             raise InputError(f"targets are LM FLOPs reductions > 1 (e.g. 2 for half the FLOPs), got {self.targets}")
         if self.task == "video" and self.tower_steps and not (self.num_train_images or self.image_model):
             raise InputError("tower pretraining learns on the image set: give num_train_images > 0 or tower_steps 0")
+        if not 0.0 < self.stack_share < 1.0:
+            raise InputError(f"stack_share is the pre-LLM reduction's share of a stacked point, in (0, 1), got "
+                             f"{self.stack_share}")
+        if self.stack_scoring not in ("cls", "mean"):
+            raise InputError(f"stack_scoring must be cls or mean, got {self.stack_scoring!r}")
         if self.video_pool not in VIDEO_POOLS:
             raise InputError(f"video_pool must be one of {', '.join(VIDEO_POOLS)}, got {self.video_pool!r}")
         self.targets = tuple(sorted(float(t) for t in self.targets))
@@ -125,6 +138,8 @@ class RecipeResult:
     layers: list[int] = field(default_factory=list)
     ranks: list[float] = field(default_factory=list)
     points: list[dict[str, Any]] = field(default_factory=list)
+    ceilings: dict[str, float] = field(default_factory=dict)  # each method's largest LM FLOPs reduction
+    unreachable: list[dict[str, Any]] = field(default_factory=list)  # (method, point)s past their ceiling
     training: dict[str, dict[str, Any] | None] = field(default_factory=dict)  # a training stage's cost
 
     def row(self, method: str, target: float | None = None) -> dict[str, Any]:
@@ -136,6 +151,8 @@ class RecipeResult:
             "converted_layers": self.layers,
             "normalized_ranks": self.ranks,
             "compute_points": self.points,
+            "max_language_reduction": self.ceilings,
+            "out_of_reach": self.unreachable,
             "results": self.rows,
             "stage_seconds": self.stages,
             "training_stages": self.training,

@@ -19,11 +19,18 @@ order (`vlmod.routing.selection`), and the kept sequence is left-padded for gene
 Supported: `LlavaForConditionalGeneration` (images) and `LlavaNextVideoForConditionalGeneration`
 (videos) with a CLIP tower (a CLS token). Cost counted by `reduction_flops`: the dense tower, the
 CLS query and the keys of one tower layer, and the language model on the kept tokens.
+
+Stacked on MoD: `model` may carry MoD language layers (`vlmod.apply_mod`); the kept vision tokens
+then compete for that model's k slots as usual. The language model is called with embeddings, in
+which MoD cannot tell a vision token from text, so for the reduced prefill its token types are
+taken from the kept positions' input ids (`_kept_token_types`); `reduction_flops` counts each MoD
+layer on the tokens it ran (the prefill's routing trace).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -33,6 +40,7 @@ from torch import Tensor, nn
 from vlmod.config import TokenType
 from vlmod.routing.attention import AttentionQK, received_attention
 from vlmod.routing.selection import TokenLayout, select_tokens
+from vlmod.routing.trace import find_parts
 
 IGNORE_INDEX = -100
 SCORINGS = ("cls", "mean")
@@ -176,7 +184,7 @@ class PreLLMReduction(nn.Module):
     def reduce(self, inputs: Mapping[str, Any], generation: bool = False) -> dict[str, Tensor]:
         """The model's inputs as the language model sees them after the reduction:
         {inputs_embeds, attention_mask, position_ids, labels (if given), index (kept positions
-        [B, K])}. Kept tokens keep the position ids the dense model gives them (a forward numbers
+        [B, K]), input_ids (the kept positions' ids, for MoD's token types)}. Kept tokens keep the position ids the dense model gives them (a forward numbers
         the padded sequence, `generate` the real tokens: `generation` picks that rule), so RoPE
         still says where each kept patch and the text are, as MoD's gathered positions do."""
         input_ids, mask = inputs["input_ids"], inputs["attention_mask"]
@@ -198,6 +206,7 @@ class PreLLMReduction(nn.Module):
             "attention_mask": kept,
             "position_ids": positions[rows, index] * kept,
             "index": index,
+            "input_ids": input_ids[rows, index],
         }
         if inputs.get("labels") is not None:
             out["labels"] = inputs["labels"][rows, index].masked_fill(~valid, IGNORE_INDEX)
@@ -205,10 +214,11 @@ class PreLLMReduction(nn.Module):
 
     def forward(self, **inputs: Any) -> Any:
         reduced = self.reduce(inputs)
-        out = self.model(
-            inputs_embeds=reduced["inputs_embeds"], attention_mask=reduced["attention_mask"],
-            position_ids=reduced["position_ids"], labels=reduced.get("labels"),
-        )
+        with _kept_token_types(self.model, reduced["input_ids"]):
+            out = self.model(
+                inputs_embeds=reduced["inputs_embeds"], attention_mask=reduced["attention_mask"],
+                position_ids=reduced["position_ids"], labels=reduced.get("labels"),
+            )
         full = out.logits.new_zeros(*inputs["input_ids"].shape, out.logits.shape[-1])
         rows = torch.arange(full.shape[0], device=full.device).unsqueeze(1)
         keep = reduced["attention_mask"].bool()
@@ -220,10 +230,11 @@ class PreLLMReduction(nn.Module):
     def generate(self, input_ids: Tensor, attention_mask: Tensor, **kwargs: Any) -> Tensor:
         media = {k: kwargs.pop(k) for k in ("pixel_values", "pixel_values_videos", "image_sizes") if k in kwargs}
         reduced = self.reduce({"input_ids": input_ids, "attention_mask": attention_mask, **media}, generation=True)
-        new = self.model.generate(
-            inputs_embeds=reduced["inputs_embeds"], attention_mask=reduced["attention_mask"],
-            position_ids=reduced["position_ids"], **kwargs
-        )
+        with _kept_token_types(self.model, reduced["input_ids"]):
+            new = self.model.generate(
+                inputs_embeds=reduced["inputs_embeds"], attention_mask=reduced["attention_mask"],
+                position_ids=reduced["position_ids"], **kwargs
+            )
         return torch.cat([input_ids, new.to(input_ids.device)], dim=1)
 
     def vision_tokens(self, inputs: Mapping[str, Any]) -> tuple[Tensor, Tensor]:
@@ -237,16 +248,45 @@ class PreLLMReduction(nn.Module):
         return n, capacity_to_k_tensor(self.keep, n)
 
 
+@contextmanager
+def _kept_token_types(model: nn.Module, kept_ids: Tensor) -> Iterator[None]:
+    """While the reduced sequence runs: the MoD language part (if any) types the prefill's tokens
+    from `kept_ids` [B, K] (the kept positions' input ids) instead of from the embeddings it is
+    given, in which a vision feature is not its placeholder's embedding and would pass for text.
+    Decode steps (input ids of their own, a cache behind them) are typed as usual."""
+    part = next((p for p in find_parts(model) if p.name == "language"), None)
+    if part is None:
+        yield
+        return
+    adapter = part.adapter
+    typed = adapter.token_types  # the adapter's own rule, applied to the kept ids
+
+    def kept_types(kwargs: dict, past_length: int) -> Tensor:
+        embeds = kwargs.get("inputs_embeds")
+        if (past_length == 0 and kwargs.get("input_ids") is None and embeds is not None
+                and tuple(embeds.shape[:2]) == tuple(kept_ids.shape)):
+            kwargs = {**kwargs, "input_ids": kept_ids}
+        return typed(kwargs, past_length)
+
+    adapter.token_types = kept_types
+    try:
+        yield
+    finally:
+        del adapter.token_types  # the class's method again
+
+
 def reduction_flops(reducer: PreLLMReduction, inputs: Mapping[str, Any], trace: Any | None = None) -> dict[str, float]:
     """Prefill FLOPs per sequence of the reduced model: the dense tower plus the scoring (the CLS
     query, or every query, and every key of one tower layer, and their attention), and the
-    language model on the kept tokens (`vlmod.tools.flops`)."""
+    language model on the kept tokens (`vlmod.tools.flops`): a MoD layer of a stacked model on the
+    tokens it ran in `trace` (the prefill's `RoutingTrace`), where given."""
     from vlmod.tools.flops import (
         DecoderDims,
         cls_attention_flops,
         frame_pooling_flops,
         hf_vision_dims,
         language_prefill_flops,
+        processed_counts,
         vision_images,
         vit_flops,
     )
@@ -260,7 +300,8 @@ def reduction_flops(reducer: PreLLMReduction, inputs: Mapping[str, Any], trace: 
     vision = ((vit_flops(dims) + scoring) * frames + frame_pooling_flops(reducer.model, inputs)) / batch
     n_vision, kept = reducer.vision_tokens(inputs)
     tokens = float((inputs["attention_mask"].sum(1) - n_vision + kept).double().mean())
-    language = language_prefill_flops(DecoderDims.from_config(cfg.text_config), tokens)
+    routed = processed_counts(trace.processed, "language") if trace is not None else None
+    language = language_prefill_flops(DecoderDims.from_config(cfg.text_config), tokens, routed)
     return {"vision": vision, "language": language, "total": vision + language}
 
 

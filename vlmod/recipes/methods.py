@@ -1,0 +1,142 @@
+"""Stage 7 of a synthetic recipe: every method at every compute point (`vlmod.recipes.recipe`).
+
+At each point (`vlmod.recipes.points`): the fine-tuned MoD model, the random and stride routers
+on its weights, the training-free attention router on the dense weights, pre-LLM reduction of
+the dense model (both rankings), MoD stacked on pre-LLM reduction (the MoD model behind a
+`PreLLMReduction`, its capacity a share of the kept tokens), frame subsampling (video); at the
+main point also the MoD model with its vision tower routed. A method that cannot reach a point
+gets an out-of-reach record instead of a row. Every row counts the whole prefill: the report's
+tower and language model plus the projector on the vision tokens the method fed it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vlmod.api import apply_mod, set_capacity, set_router
+from vlmod.config import MoDConfig
+from vlmod.evaluation import frontier
+from vlmod.io.hf import load_pretrained
+from vlmod.recipes.points import reachable
+from vlmod.tools.reduction import SCORINGS, PreLLMReduction, reduction_flops
+
+
+class PointEvaluations:
+    """The methods' evaluations, mixed into the recipe's `_Recipe`: they read its settings (`s`),
+    stages, result, dense model, compute points, token counts (`counts`), the projector's FLOPs
+    per vision token (`projector_per_token`) and the attention router's scoring FLOPs (`scoring`)."""
+
+    s: Any
+    stages: Any
+    result: Any
+    counts: Any
+    projector_per_token: float
+    scoring: float
+    video: bool
+
+    def projector(self, fraction: float = 1.0) -> float:
+        """The projector's prefill FLOPs per sample on `fraction` of the vision tokens (fewer frames)."""
+        return self.projector_per_token * self.counts.vision * fraction
+
+    def add_row(self, method: str, target: float | None, setting: str, report: Any, **kw: Any) -> None:
+        kw.setdefault("projector", self.projector())
+        self.result.rows.append(frontier.row(method, target, setting, report, **kw))
+
+    def skip(self, method: str, point: dict[str, Any]) -> bool:
+        """True (and the out-of-reach record kept) where `method` cannot reach `point`."""
+        if reachable(point, method):
+            return False
+        self.result.unreachable.append(frontier.out_of_reach(method, point["target"], self.result.ceilings[method]))
+        return True
+
+    def evaluate_points(self) -> None:
+        s, stages, result = self.s, self.stages, self.result
+        self.mod_model = mod_model = load_pretrained(self.mod).eval()
+        attention_model = load_pretrained(self.converted).eval()
+        set_router(attention_model, "attention")
+        for p in result.points:
+            t, cap = p["target"], p["capacity"]
+            with_router = [("learned", None)] + [(r, r) for r in s.routers if r != "attention"]
+            for method, router in with_router:
+                if self.skip(method, p):
+                    continue
+                set_capacity(mod_model, cap)
+
+                def run_mod(router: str | None = router, name: str = f"{method} /{t:g}") -> Any:
+                    if router is None:
+                        return self.evaluated(mod_model, name)
+                    set_router(mod_model, router)
+                    try:
+                        return self.evaluated(mod_model, name, baseline=True)
+                    finally:
+                        set_router(mod_model, "learned")
+                self.add_row(method, t, f"capacity {cap:.3f}", stages.run(f"eval {method}", run_mod))
+            if "attention" in s.routers and not self.skip("attention", p):
+                # Its scoring costs FLOPs too: a lower capacity reaches the same total.
+                set_capacity(attention_model, p["attention_capacity"])
+                report = stages.run("eval attention", lambda n=f"attention /{t:g}": self.evaluated(
+                    attention_model, n, baseline=True))
+                self.add_row("attention", t, f"capacity {p['attention_capacity']:.3f}", report,
+                             extra_language_flops=len(result.layers) * self.scoring)
+            self.evaluate_reduction(p)
+            if s.stacked:
+                self.evaluate_stacked(p)
+            if self.video:
+                self.evaluate_frames(p)
+
+    def evaluate_reduction(self, p: dict[str, Any]) -> None:
+        """Pre-LLM reduction with both of VisionZip's rankings: these towers are trained from scratch
+        under LLaVA, which reads only the patches, so nothing trains their CLS; which ranking is the
+        stronger varies by model."""
+        t = p["target"]
+        for rank_by, method in zip(SCORINGS, ("reduce", "reduce-mean"), strict=True):
+            if self.skip(method, p):
+                continue
+            reducer = PreLLMReduction(self.dense_model, p["keep"], rank_by)
+            report = self.stages.run("eval reduce", lambda r=reducer, n=f"{method} /{t:g}": self.evaluated(
+                r, n, baseline=True, flops_fn=reduction_flops))
+            report.processed_fraction = {"kept": p["keep"]}
+            self.add_row(method, t, f"keep {p['keep']:.3f}", report)
+
+    def evaluate_stacked(self, p: dict[str, Any]) -> None:
+        """MoD stacked on pre-LLM reduction: the fine-tuned MoD model behind the reduction (every
+        query's ranking unless `stack_scoring`), at the capacity that reaches the point on the kept
+        tokens; its FLOPs count each MoD layer on the tokens it ran."""
+        if self.skip("stacked", p):
+            return
+        t, keep, cap = p["target"], p["stack_keep"], p["stack_capacity"]
+        set_capacity(self.mod_model, cap)
+        reducer = PreLLMReduction(self.mod_model, keep, self.s.stack_scoring)
+        report = self.stages.run("eval stacked", lambda: self.evaluated(
+            reducer, f"stacked /{t:g}", baseline=True, flops_fn=reduction_flops))
+        # Of all the vision tokens: the MoD layers' share of the kept ones, times the kept share.
+        report.processed_fraction = {k: v * keep for k, v in report.processed_fraction.items()}
+        self.add_row("stacked", t, f"keep {keep:.3f}, capacity {cap:.3f}", report)
+
+    def evaluate_frames(self, p: dict[str, Any]) -> None:
+        """Frame subsampling of the dense model, against the dense model on every frame."""
+        if self.skip("frames", p):
+            return
+        f, t = p["frames"], p["target"]
+        report = self.stages.run("eval frames", lambda: self.evaluated(
+            self.dense_model, f"frames {f}", baseline=True, num_frames=f))
+        report.processed_fraction = {"frames": f / self.s.frames}
+        # Against the dense model on every frame, not the report's own dense count on fewer.
+        reference = {**self.frames_reference.flops_by_part, "projector": self.projector()}
+        self.add_row("frames", t, f"{f} of {self.s.frames} frames", report, projector=self.projector(f / self.s.frames),
+                     dense_reference=reference)
+
+    def evaluate_vision_mod(self) -> None:
+        """The main point again with the vision tower routed too (training-free, CLS attention)."""
+        s, main = self.s, self.main
+        set_capacity(self.mod_model, main["capacity"])
+        tower = MoDConfig(capacity=s.vision_capacity, layers=[s.vision_layers - 1], routable=("image",), router="attention")
+        apply_mod(self.mod_model, tower, part="vision")
+        report = self.stages.run("eval vision MoD", lambda: self.evaluated(
+            self.mod_model, "learned + vision tower", baseline=True))
+        report.processed_fraction = {k: v for k, v in report.processed_fraction.items() if k.startswith("language")}
+        self.add_row("learned+vision", main["target"], f"capacity {main['capacity']:.3f}, tower {s.vision_capacity:g}",
+                     report)
+
+
+__all__ = ["PointEvaluations"]

@@ -1,0 +1,87 @@
+"""The recipe's compute points: for each target reduction of language-model prefill FLOPs, each
+method's knob (`vlmod.evaluation.frontier` solves them), and which methods cannot reach it.
+
+Every knob has a floor (one token per MoD layer, one kept token, one frame), so each method has a
+largest reduction (`ceilings`); a point past a method's (within `frontier.REACH_TOLERANCE`) gets
+no knob for it, and the recipe reports it as out of reach instead of evaluating a point that
+lands elsewhere. Layer 0 stays dense (the engine's rule: transformers sizes every layer's causal
+mask and positions from layer 0's KV cache), and the text always runs, so MoD alone stops short:
+with 8 layers at about 5x on the video recipe's prompts and 4x on the image recipe's; MoD stacked
+on pre-LLM reduction goes further, since the reduction shrinks layer 0's tokens too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from vlmod.evaluation import frontier
+from vlmod.evaluation.frontier import TokenCounts
+from vlmod.tools.flops import DecoderDims, language_prefill_flops
+
+
+def ceilings(dims: DecoderDims, counts: TokenCounts, layers: Sequence[int], schedule: str | None,
+             scoring: float, video: bool, stacked: bool, others: TokenCounts | None = None) -> dict[str, float]:
+    """Each method's largest LM prefill FLOPs reduction (`scoring`: the attention router's FLOPs
+    per MoD layer): MoD's on `counts`, the other methods' on `others` (the prompts they answer)."""
+    others = others or counts
+    mod = frontier.max_reduction(dims, counts, "mod", layers, schedule)
+    out = {"learned": mod, "random": mod, "stride": mod,
+           "attention": frontier.max_reduction(dims, others, "mod", layers, schedule, scoring),
+           "reduce": frontier.max_reduction(dims, others, "reduce")}
+    out["reduce-mean"] = out["reduce"]
+    if stacked:
+        out["stacked"] = frontier.max_reduction(dims, others, "stacked", layers, schedule)
+    if video:
+        out["frames"] = frontier.max_reduction(dims, others, "frames")
+    return out
+
+
+def solve_points(dims: DecoderDims, counts: TokenCounts, s: Any, layers: Sequence[int], scoring: float,
+                 others: TokenCounts | None = None) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """(compute points, ceilings): per target, each method's knob (None where out of reach) and
+    the reduction the analytic count predicts for it (`predicted`). MoD's capacity is solved on
+    `counts` (the prompts the fine-tuned model answers: every one), the other methods' knobs on
+    `others` (the first `baseline_samples`; the random and stride routers share MoD's capacity)."""
+    video = s.task == "video"
+    reach = ceilings(dims, counts, layers, s.schedule, scoring, video, s.stacked, others)
+    mod_counts, counts = counts, others or counts
+    mod_dense, dense = language_prefill_flops(dims, mod_counts.total), language_prefill_flops(dims, counts.total)
+    points = []
+    for t in s.targets:
+        ok = {m: frontier.reaches(c, t) for m, c in reach.items()}
+        p: dict[str, Any] = {"target": t, "capacity": None, "attention_capacity": None, "keep": None,
+                             "predicted": {}, "out_of_reach": sorted(m for m, yes in ok.items() if not yes)}
+        if ok["learned"]:
+            p["capacity"] = frontier.solve_capacity(dims, mod_counts, t, layers, s.schedule)
+            p["predicted"]["learned"] = mod_dense / frontier.mod_language_flops(dims, mod_counts, p["capacity"], layers,
+                                                                                 s.schedule)
+        if ok["attention"]:
+            p["attention_capacity"] = frontier.solve_capacity(dims, counts, t, layers, s.schedule, scoring)
+            p["predicted"]["attention"] = dense / frontier.mod_language_flops(
+                dims, counts, p["attention_capacity"], layers, s.schedule, scoring)
+        if ok["reduce"]:
+            p["keep"] = frontier.solve_keep(dims, counts, t)
+            p["predicted"]["reduce"] = dense / frontier.reduce_language_flops(dims, counts, p["keep"])
+        if s.stacked:
+            solved = frontier.solve_stacked(dims, counts, t, layers, s.schedule, s.stack_share) if ok["stacked"] else None
+            p["stack_keep"], p["stack_capacity"] = solved or (None, None)
+            if solved is None and "stacked" not in p["out_of_reach"]:
+                p["out_of_reach"].append("stacked")
+            if solved is not None:
+                p["predicted"]["stacked"] = dense / frontier.stacked_language_flops(dims, counts, *solved, layers,
+                                                                                   s.schedule)
+        if video:
+            p["frames"] = frontier.solve_frames(dims, counts, t) if ok["frames"] else None
+            if p["frames"] is not None:
+                p["predicted"]["frames"] = dense / language_prefill_flops(
+                    dims, counts.text + p["frames"] * counts.vision / counts.frames)
+        points.append(p)
+    return points, reach
+
+
+def reachable(point: dict[str, Any], method: str) -> bool:
+    return method not in point["out_of_reach"]
+
+
+__all__ = ["ceilings", "reachable", "solve_points"]
