@@ -18,9 +18,17 @@ from vlmod.bench import (
     format_video_result,
     format_vit_result,
 )
-from vlmod.cli.argtypes import add_dtype_argument, device, non_negative_int, option, positive_int
+from vlmod.cli.argtypes import non_negative_int, option, positive_int
 from vlmod.cli.bench_train import add_bench_train_parser
-from vlmod.cli.common import MODEL_FLAG, SubParsers, capacity, layers, write_json_result
+from vlmod.cli.common import (
+    MODEL_FLAG,
+    SubParsers,
+    add_device_arguments,
+    add_timing_arguments,
+    capacity,
+    layers,
+    write_json_result,
+)
 
 
 def add_bench_vit_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
@@ -68,7 +76,7 @@ def add_bench_vit_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
         "--threads", type=positive_int, default=None, help="torch intra-op threads (default: torch's)"
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and batch (default: 0)")
-    _add_device_arguments(p, "float32 (the random weights' own)")
+    add_device_arguments(p, "float32 (the random weights' own)")
     p.add_argument("--json", metavar="PATH", default=None, help="also write the result as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=run_bench_vit)
@@ -94,24 +102,6 @@ def run_bench_vit(args: argparse.Namespace) -> int:
     print(format_vit_result(result))
     write_json_result(args.json, result)
     return 0
-
-
-def _add_timing_arguments(p: argparse.ArgumentParser, warmup: int, repeats: int) -> None:
-    p.add_argument("--warmup", type=non_negative_int, default=warmup, help=f"untimed runs first (default: {warmup})")
-    p.add_argument("--repeats", type=positive_int, default=repeats, help=f"timed runs (default: {repeats})")
-    p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (default: torch's)")
-    p.add_argument("--json", metavar="PATH", default=None, help="also write the result as JSON")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-
-def _add_device_arguments(p: argparse.ArgumentParser, auto: str) -> None:
-    """`--device` and `--dtype` of a benchmark: where both models run, in what dtype."""
-    p.add_argument(
-        "--device", type=device, default="cpu",
-        help="torch device both models run on; on a GPU every timing waits for its kernels (default: cpu)",
-    )
-    action = add_dtype_argument(p)
-    action.help = f"weights dtype: auto is {auto} (default: auto)"
 
 
 def _add_cache_argument(p: argparse.ArgumentParser) -> None:
@@ -157,8 +147,8 @@ def add_bench_llava_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
            help="prompts per batch (default: 1)")
     p.add_argument("--new-tokens", type=positive_int, default=16, help="tokens to generate (default: 16)")
     _add_cache_argument(p)
-    _add_device_arguments(p, "the checkpoint's own, float32 for llava-1.5, bfloat16 for the -full preset")
-    _add_timing_arguments(p, warmup=1, repeats=5)
+    add_device_arguments(p, "the checkpoint's own, float32 for llava-1.5, bfloat16 for the -full preset")
+    add_timing_arguments(p, warmup=1, repeats=5)
     p.set_defaults(run=run_bench_llava, model_flags=MODEL_FLAG)
     return p
 
@@ -207,8 +197,8 @@ def add_bench_video_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--new-tokens", type=positive_int, default=16, help="tokens to generate (default: 16)")
     _add_cache_argument(p)
-    _add_device_arguments(p, "the checkpoint's own, float32 for the small presets, bfloat16 for -full")
-    _add_timing_arguments(p, warmup=1, repeats=5)
+    add_device_arguments(p, "the checkpoint's own, float32 for the small presets, bfloat16 for -full")
+    add_timing_arguments(p, warmup=1, repeats=5)
     p.set_defaults(run=run_bench_video, model_flags=MODEL_FLAG)
     return p
 

@@ -6,8 +6,16 @@ from __future__ import annotations
 import argparse
 
 from vlmod.bench.train import MIXED_PRECISION, TRAIN_PRESETS, TRAINABLE, bench_train, format_train_result
-from vlmod.cli.argtypes import add_dtype_argument, device, non_negative_int, option, positive_int
-from vlmod.cli.common import MODEL_FLAG, SubParsers, capacity, layers, write_json_result
+from vlmod.cli.argtypes import option, positive_int
+from vlmod.cli.common import (
+    MODEL_FLAG,
+    SubParsers,
+    add_device_arguments,
+    add_timing_arguments,
+    capacity,
+    layers,
+    write_json_result,
+)
 
 
 def add_bench_train_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
@@ -48,19 +56,13 @@ def add_bench_train_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
                    help="recompute each layer's activations in backward (default: off)")
     p.add_argument("--mixed-precision", choices=MIXED_PRECISION, default="no",
                    help="run the forward under bfloat16 autocast (float32 master weights) (default: no)")
-    p.add_argument("--device", type=device, default="cpu",
-                   help="torch device both models train on; on a GPU every timing waits for its kernels (default: cpu)")
-    add_dtype_argument(p).help = (
-        "dtype of the frozen weights: auto is the checkpoint's own or the preset's (what trains is float32; a "
-        "bfloat16 / float16 model runs its forward under autocast in that dtype, as vlmod finetune does) (default: auto)"
-    )
-    p.add_argument("--warmup", type=non_negative_int, default=1,
-                   help="untimed steps of each model first; at least 1 runs, for AdamW's state (default: 1)")
-    p.add_argument("--repeats", type=positive_int, default=5, help="timed steps of each model (default: 5)")
-    p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and adapters (default: 0)")
-    p.add_argument("--json", metavar="PATH", default=None, help="also write the result as JSON")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_device_arguments(
+        p, "the checkpoint's own or the preset's (what trains is float32; a bfloat16 / float16 model runs its "
+        "forward under autocast in that dtype, as vlmod finetune does)", what="dtype of the frozen weights",
+    )
+    add_timing_arguments(p, warmup=1, repeats=5, warmup_help="untimed steps of each model first; at least 1 runs, "
+                         "for AdamW's state")
     p.set_defaults(run=run_bench_train, model_flags=MODEL_FLAG)
     return p
 

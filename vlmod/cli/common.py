@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from vlmod.bench import parse_layers
+from vlmod.cli.argtypes import add_dtype_argument, device, non_negative_int, positive_int
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
@@ -79,3 +80,22 @@ def write_json_result(path: str | None, data: Any) -> None:
 
 
 __all__ = ["EXIT_INTERRUPTED", "EXIT_USAGE", "MODEL_FLAG", "SubParsers", "UsageError", "capacity", "layers", "write_json_result", "write_output"]
+
+
+def add_timing_arguments(p: argparse.ArgumentParser, warmup: int, repeats: int, warmup_help: str | None = None) -> None:
+    """The flags every benchmark times with: warm-up, repeats, threads, --json, --no-progress."""
+    p.add_argument("--warmup", type=non_negative_int, default=warmup,
+                   help=f"{warmup_help or 'untimed runs first'} (default: {warmup})")
+    p.add_argument("--repeats", type=positive_int, default=repeats, help=f"timed runs (default: {repeats})")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--json", metavar="PATH", default=None, help="also write the result as JSON")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def add_device_arguments(p: argparse.ArgumentParser, auto: str, what: str = "weights dtype") -> None:
+    """`--device` and `--dtype` of a benchmark: where both models run, in what dtype."""
+    p.add_argument(
+        "--device", type=device, default="cpu",
+        help="torch device both models run on; on a GPU every timing waits for its kernels (default: cpu)",
+    )
+    add_dtype_argument(p).help = f"{what}: auto is {auto} (default: auto)"
