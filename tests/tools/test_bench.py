@@ -97,6 +97,28 @@ def test_bench_decode_bound_adds_the_routing_bypassed_copy_to_the_lockstep(tmp_p
     assert "with MoD's router and gate bypassed (same caches and masks)" in capsys.readouterr().out
 
 
+def test_bench_control_times_a_second_dense_model_in_the_prefill(tmp_path, capsys):
+    """`--control`: a second dense model over the same weights joins the prefill rotation; the
+    paired ratios are medians over the repeats of each pair timed back to back."""
+    out = tmp_path / "bench.json"
+    argv = ["bench", "llava", "--preset", "tiny", "--new-tokens", "2", "--control", "--json", str(out), *FAST]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    dense, mod = result["dense"]["prefill_samples_s"], result["mod"]["prefill_samples_s"]
+    control = result["prefill_control"]
+    used = result["timed_repeats"]["prefill"]
+    assert len(control["samples_s"]) == len(dense) == len(mod) == 2
+    assert control["ratio"] == pytest.approx(statistics.median(dense[i] / control["samples_s"][i] for i in used))
+    assert result["prefill_speedup_paired"] == pytest.approx(statistics.median(dense[i] / mod[i] for i in used))
+    assert "dense / a second dense (same weights, the noise floor)" in printed
+    # Without --control: the paired ratio alone, and no third model.
+    assert main(["bench", "llava", "--preset", "tiny", "--new-tokens", "2", "--json", str(out), *FAST]) == 0
+    result = json.loads(out.read_text())
+    assert "prefill_control" not in result and result["prefill_speedup_paired"] > 0
+    assert "noise floor" not in capsys.readouterr().out
+
+
 def test_bench_llava_refuses_to_reconvert_a_converted_checkpoint(converted_checkpoint, capsys):
     argv = ["bench", "llava", "--model", str(converted_checkpoint), "--capacity", "0.5", *FAST]
     assert main(argv) == 2

@@ -33,6 +33,7 @@ from vlmod.bench.timing import (
     describe_device,
     keeps_threads,
     load_average,
+    paired_ratio,
     peak_memory_bytes,
     peak_memory_change,
     set_threads,
@@ -148,21 +149,26 @@ def bench_generation(
     pad_token_id: int = 0,
     cache: str = DEFAULT_CACHE,
     decode_bound: bool = False,
+    control: bool = False,
 ) -> dict[str, Any]:
     """Prefill latency, decode per step, KV-cache bytes, peak memory of generate and FLOPs of a
     dense LLaVA model and its MoD conversion on the same processed inputs (runs interleaved), both
     with a KV cache of kind `cache` (`CACHES`); `decode_bound` adds `routing_bypassed(mod)` to the
-    lockstep decode. The models and inputs are on one device; on a GPU every timing waits for it."""
+    lockstep decode. control: a second dense model over the same weights joins the prefill
+    rotation, and the dense / dense ratio it gives (`prefill_control`) is what the machine's noise
+    alone makes of two identical models: a gap smaller than that is not resolved. The models and
+    inputs are on one device; on a GPU every timing waits for it."""
     from transformers import LogitsProcessorList
 
     device = inputs["input_ids"].device
     batch = inputs["input_ids"].shape[0]
     flops, kv = generation_footprint(dense, mod, inputs)
     models = {"dense": dense, "mod": mod}
+    timed = {"dense": dense, "dense_control": shared_copy(dense), "mod": mod} if control else models
     gen = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad_token_id)
     prefill = time_interleaved(
         {n: (lambda m=m: m(**inputs, **cache_kwargs(m, cache, new_tokens), use_cache=True, logits_to_keep=1))
-         for n, m in models.items()},
+         for n, m in timed.items()},
         warmup=warmup, repeats=repeats, progress="prefill dense/MoD" if progress else None, device=device,
     )
     clocks = {name: StepClock() for name in models}
@@ -193,6 +199,13 @@ def bench_generation(
         }
     result["decode_lockstep"] = lockstep
     result.update(speedups(result, flops, kv))
+    result["prefill_speedup_paired"] = paired_ratio(prefill["dense"], prefill["mod"], prefill_judged.clean_repeats)
+    if control:
+        result["prefill_control"] = {
+            "ratio": paired_ratio(prefill["dense"], prefill["dense_control"], prefill_judged.clean_repeats),
+            "control_s": prefill["dense_control"].median(prefill_judged.clean_repeats),
+            "samples_s": prefill["dense_control"].wall_s,
+        }
     result.update(
         decode_speedup_paired=paired,
         contended=prefill_judged.contended or decode_judged.contended,
@@ -283,6 +296,7 @@ def bench_llava(
     decode_bound: bool = False,
     device: str | torch.device = "cpu",
     dtype: str | torch.dtype | None = None,
+    control: bool = False,
 ) -> dict[str, Any]:
     """Dense vs MoD generation of a LLaVA model on synthetic images and a prompt.
 
@@ -290,7 +304,8 @@ def bench_llava(
     layer). A checkpoint saved converted is measured with its own MoD layers (see `build_pair`).
     cache: the KV cache both models generate with (`CACHES`). threads: torch's intra-op threads
     while the benchmark runs (the caller's count is restored afterwards). decode_bound: also decode
-    in lockstep with MoD's routing bypassed (`routing_bypassed`). device, dtype: where the models
+    in lockstep with MoD's routing bypassed (`routing_bypassed`). control: time a second dense model
+    in the prefill too, for the noise floor (`bench_generation`). device, dtype: where the models
     run and in what dtype (None: the checkpoint's or the preset's own, see `build_preset`).
     """
     try:
@@ -319,7 +334,7 @@ def bench_llava(
     )
     tokenizer = getattr(processor, "tokenizer", processor)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    result = bench_generation(dense, mod, inputs, new_tokens, warmup, repeats, progress, pad, cache, decode_bound)
+    result = bench_generation(dense, mod, inputs, new_tokens, warmup, repeats, progress, pad, cache, decode_bound, control)
     image_tokens, prompt_tokens = prompt_counts(inputs, dense.config.image_token_id)
     result.update(
         benchmark="llava",

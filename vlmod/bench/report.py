@@ -113,7 +113,8 @@ def generation_summary(result: Mapping[str, Any], label: str = "predicted prefil
     return (
         f"{label} {result['predicted_speedup']:.3f}x  measured {result['prefill_speedup']:.3f}x  "
         f"efficiency {result['prefill_efficiency']:.3f}\n"
-        f"  attention counted as a causal kernel computes it: predicted "
+        + _prefill_pairs(result)
+        + f"  attention counted as a causal kernel computes it: predicted "
         f"{result['predicted_speedup_causal_attention']:.3f}x  efficiency "
         f"{result['prefill_efficiency_causal_attention']:.3f}\n"
         f"decode (per step, inside generate): {_speedup(result['decode_speedup'])}  "
@@ -121,6 +122,21 @@ def generation_summary(result: Mapping[str, Any], label: str = "predicted prefil
         f"peak memory of generate {'-' if peak is None else signed_percent(peak)}"
         + _lockstep(result)
     )
+
+
+def _prefill_pairs(result: Mapping[str, Any]) -> str:
+    """The paired prefill ratio, and the dense / dense control's when `--control` ran one."""
+    paired = result.get("prefill_speedup_paired")
+    if paired is None:
+        return ""
+    line = f"  median of the per-repeat dense / MoD ratios {paired:.3f}x"
+    control = result.get("prefill_control")
+    if control:
+        line += (
+            f"; dense / a second dense (same weights, the noise floor) {control['ratio']:.3f}x "
+            f"({control['control_s'] * 1e3:.1f} ms)"
+        )
+    return line + "\n"
 
 
 def _lockstep(result: Mapping[str, Any]) -> str:

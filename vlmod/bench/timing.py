@@ -102,6 +102,13 @@ def spread(samples: Sequence[float]) -> float:
     return statistics.median(abs(s - mid) for s in samples) / mid
 
 
+def paired_ratio(base: Timings, other: Timings, repeats: Sequence[int] | None = None) -> float:
+    """Median over repeats of base / other, each pair timed back to back: a drift of the machine
+    that lasts longer than one repeat cancels within each pair, where a ratio of medians keeps it."""
+    picked = range(min(len(base.wall_s), len(other.wall_s))) if repeats is None else repeats
+    return statistics.median(base.wall_s[r] / other.wall_s[r] for r in picked)
+
+
 def synchronize(device: torch.device | str | None) -> None:
     """Wait for the kernels queued on `device` (a no-op on the CPU, whose ops finish in the call)."""
     if device is not None and torch.device(device).type == "cuda":

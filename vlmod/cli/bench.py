@@ -147,6 +147,12 @@ def add_bench_llava_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
            help="prompts per batch (default: 1)")
     p.add_argument("--new-tokens", type=positive_int, default=16, help="tokens to generate (default: 16)")
     _add_cache_argument(p)
+    p.add_argument(
+        "--control", action="store_true",
+        help="also time a second dense model over the same weights in the prefill rotation: the dense / dense "
+        "ratio is the gap this machine's noise alone makes, so a MoD gap below it is not resolved "
+        "(default: off; adds a third of the prefill time)",
+    )
     add_device_arguments(p, "the checkpoint's own, float32 for llava-1.5, bfloat16 for the -full preset")
     add_timing_arguments(p, warmup=1, repeats=5)
     p.set_defaults(run=run_bench_llava, model_flags=MODEL_FLAG)
@@ -158,7 +164,7 @@ def run_bench_llava(args: argparse.Namespace) -> int:
         model=args.model, preset=args.preset, capacity=args.capacity, layers=args.layers, batch=args.batch,
         new_tokens=args.new_tokens, warmup=args.warmup, repeats=args.repeats, threads=args.threads,
         progress=not args.no_progress, cache=args.cache, decode_bound=args.decode_bound, device=args.device,
-        dtype=args.dtype,
+        dtype=args.dtype, control=args.control,
     )
     print(format_generation_result(result))
     write_json_result(args.json, result)
