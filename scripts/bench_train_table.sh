@@ -10,8 +10,8 @@
 # CAPACITIES (default "0.5 0.2"), CHECKPOINTING (default "off on"), THREADS (default 1: on a
 # shared CPU one thread is least hurt by other jobs), REPEATS (default 3), WARMUP (default 1),
 # EXTRA (more bench arguments, e.g. "--mixed-precision bf16"), PYTHON (default python3).
-# On an idle 2-core CPU a llava-1.5 run takes about 3-4 minutes at one thread, a
-# llava-next-video-7b run about twice that; the whole table about 2 hours.
+# On this project's 2-core CPU the whole table took 23 minutes idle with THREADS=2 (a run 31-114 s)
+# and 33 minutes at one thread with a one-thread job on the other core (a run 43-150 s).
 set -uo pipefail
 out=${1:?usage: bench_train_table.sh OUT_DIR}
 mkdir -p "$out"
