@@ -151,7 +151,7 @@ def add_bench_llava_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
         "--control", action="store_true",
         help="also time a second dense model over the same weights in the prefill rotation: the dense / dense "
         "ratio is the gap this machine's noise alone makes, so a MoD gap below it is not resolved "
-        "(default: off; adds a third of the prefill time)",
+        "(default: off; the prefill timing takes half as long again)",
     )
     add_device_arguments(p, "the checkpoint's own, float32 for llava-1.5, bfloat16 for the -full preset")
     add_timing_arguments(p, warmup=1, repeats=5)
