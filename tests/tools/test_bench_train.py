@@ -137,6 +137,12 @@ def test_bench_train_reports_every_figure(trainable, extra, tmp_path, capsys):
     assert result["step_efficiency"] == pytest.approx(result["step_speedup"] / result["predicted_step_speedup"])
     assert result["predicted_step_speedup"] == pytest.approx(dense["flops"] / mod["flops"])
     assert result["predicted_step_speedup"] > 1.0
+    # The AdamW update, timed apart inside each timed step, and the step without it.
+    assert 0 < dense["optimizer_s"] < dense["step_s"] and 0 < mod["optimizer_s"] < mod["step_s"]
+    without = (dense["step_s"] - dense["optimizer_s"]) / (mod["step_s"] - mod["optimizer_s"])
+    assert result["step_speedup_without_optimizer"] == pytest.approx(without)
+    assert result["step_efficiency_without_optimizer"] == pytest.approx(without / result["predicted_step_speedup"])
+    assert "without the AdamW update (timed apart, not in the prediction" in printed
     assert mod["tokens_per_s"] == pytest.approx(result["batch"] * (result["media_tokens"] + result["text_tokens"]) / mod["step_s"])
     assert result["answer_tokens"] > 0 and result["mod_layers"] == {"language:1": 0.5, "language:3": 0.5}
     # Two of four layers skip half the image tokens.
