@@ -45,6 +45,11 @@ def skipped(r):
     return "-" if share is None else f"{100 * share:.1f}%"
 
 
+def without(r):
+    e = r.get("step_efficiency_without_optimizer")
+    return "-" if e is None else f"{e:.3f}"
+
+
 def mib(n):
     return "-" if n is None else f"{n / 2**20:.0f}"
 
@@ -58,11 +63,12 @@ for path in sorted(Path(sys.argv[1]).glob("*.json")):
         f"| {r['model']} | {r['trainable']} | {next(iter(r['mod_layers'].values())):g} | "
         f"{'on' if r['gradient_checkpointing'] else 'off'} | {d['step_s'] * 1e3:.0f} | {m['step_s'] * 1e3:.0f} | "
         f"{r['predicted_step_speedup']:.3f}x | {r['step_speedup']:.3f}x | {r['step_efficiency']:.3f} | "
+        f"{without(r)} | "
         f"{mib(d['peak_memory_bytes'])} | {mib(m['peak_memory_bytes'])} | {peak} | "
         f"{skipped(r)} | {'yes' if r['contended'] else 'no'} |"
     )
 print("| model | trains | capacity | checkpointing | dense ms | MoD ms | predicted | measured | efficiency "
-      "| dense peak MiB | MoD peak MiB | peak change | tokens skipped | contended |")
-print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+      "| efficiency without AdamW | dense peak MiB | MoD peak MiB | peak change | tokens skipped | contended |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 print("\n".join(rows))
 EOF
