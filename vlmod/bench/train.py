@@ -168,12 +168,6 @@ class TrainingStep:
             self.optimizer.zero_grad(set_to_none=True)
 
 
-def training_step(
-    model: nn.Module, batch: dict[str, Any], optimizer: Any, autocast: torch.dtype | None
-) -> TrainingStep:
-    """A `TrainingStep` of `model` on `batch` (callable: one optimizer step a call)."""
-    return TrainingStep(model, batch, optimizer, autocast)
-
 
 def _check(trainable: str, mixed_precision: str, batch: int, warmup: int, repeats: int,
            capacity: float | None, layers: str | Sequence[int] | None) -> None:
@@ -255,7 +249,7 @@ def bench_train(
     }
     autocast = torch.bfloat16 if mixed_precision == "bf16" else (None if frozen == torch.float32 else frozen)
     steps = {
-        "dense": training_step(dense, inputs, dense_opt, autocast), "mod": training_step(mod, inputs, mod_opt, autocast)
+        "dense": TrainingStep(dense, inputs, dense_opt, autocast), "mod": TrainingStep(mod, inputs, mod_opt, autocast)
     }
     timings = time_interleaved(steps, warmup=max(warmup, 1), repeats=repeats,
                                progress="train step dense/MoD" if progress else None, device=device)
@@ -263,7 +257,7 @@ def bench_train(
     peaks = {name: peak_memory_bytes(step, device) for name, step in steps.items()}
     tokens = int(inputs["attention_mask"].sum())
     result: dict[str, Any] = {}
-    warm = max(warmup, 1)
+    warm = max(warmup, 1)  # `time_interleaved` made these calls first; the repeats follow, then the peaks'
     for name, groups in (("dense", dense_groups), ("mod", mod_groups)):
         step_s = timings[name].median(judged.clean_repeats)
         result[name] = {
@@ -406,5 +400,4 @@ __all__ = [
     "prepare_training",
     "step_speedups",
     "synthetic_batch",
-    "training_step",
 ]
