@@ -25,6 +25,8 @@ def padded_batch(processor: object, family: str) -> dict:
     else:
         images = [Image.fromarray((rng.rand(32, 32, 3) * 255).astype("uint8")) for _ in questions]
         prompts = [chat_prompt(processor, q) for q in questions]
+        if family == "gemma3":  # its processor takes each row's images as a list
+            images = [[image] for image in images]
         inputs = processor(images=images, text=prompts, return_tensors="pt", padding=True)
     inputs = dict(inputs)
     assert (inputs["attention_mask"] == 0).any()

@@ -16,6 +16,7 @@ from vlmod.errors import InputError
 from vlmod.models import tiny
 from vlmod.tools.flops import DecoderDims
 from vlmod.tools.training_flops import language_training_flops, training_flops
+from vlmod.training.logits import answer_logits_inputs
 
 FAST = ["--warmup", "0", "--repeats", "1", "--no-progress", "--threads", "1"]
 
@@ -46,21 +47,27 @@ def _counted(model, batch) -> float:
 
 
 @pytest.mark.parametrize(
-    ("mod", "trainable", "checkpointing"),
+    ("mod", "trainable", "checkpointing", "answers"),
     [
-        (False, "full", False),
-        (True, "full", False),
-        (False, "projector", False),
-        (True, "router", False),
-        (False, "lora", False),
-        (True, "lora", False),
-        (True, "full", True),
-        (True, "router", True),
-        (False, "projector", True),
+        (False, "full", False, True),
+        (True, "full", False, True),
+        (True, "full", False, False),
+        (False, "projector", False, True),
+        (True, "router", False, True),
+        (False, "lora", False, True),
+        (True, "lora", False, True),
+        (True, "full", True, True),
+        (True, "router", True, True),
+        (False, "projector", True, True),
     ],
 )
-def test_training_flops_count_what_autograd_runs(batch, mod, trainable, checkpointing):
+def test_training_flops_count_what_autograd_runs(batch, mod, trainable, checkpointing, answers):
+    """`answers`: the LM head on the answer positions only (what the finetune step runs), else on
+    every position."""
     model, groups = _model(mod, trainable, checkpointing)
+    if answers:
+        batch = {**batch, **answer_logits_inputs(model, batch)}
+        assert 0 < batch["logits_to_keep"].numel() < batch["input_ids"].shape[1]
     assert set(groups) == {"full": {"language", "projector"} | ({"router"} if mod else set()),
                            "projector": {"projector"}, "router": {"router"},
                            "lora": {"lora", "projector"} | ({"router"} if mod else set())}[trainable]

@@ -467,12 +467,14 @@ def test_step_capacities_fall_from_one_to_the_draw_during_the_warmup() -> None:
 
 
 def test_distillation_loss_is_zero_only_for_the_teacher() -> None:
+    from vlmod.data.answers import next_token_labels
     from vlmod.training.distill import distillation_loss
 
     torch.manual_seed(0)
     logits = torch.randn(2, 5, 11)
     labels = torch.full((2, 5), -100)
     labels[:, 3:] = 4
+    labels = next_token_labels(labels)  # what each position's logits predict
     assert float(distillation_loss(logits, logits, labels)) == pytest.approx(0.0, abs=1e-6)
     other = logits.clone()
     other[:, 2:4] += torch.randn(2, 2, 11)

@@ -150,7 +150,10 @@ class TrainingStep:
     so it is what the step's efficiency is measured with and without."""
 
     def __init__(self, model: nn.Module, batch: dict[str, Any], optimizer: Any, autocast: torch.dtype | None):
-        self.model, self.batch, self.optimizer, self.autocast = model, batch, optimizer, autocast
+        from vlmod.training.logits import answer_logits_inputs
+
+        self.model, self.optimizer, self.autocast = model, optimizer, autocast
+        self.batch = {**batch, **answer_logits_inputs(model, batch)}  # logits where the loss reads them, as finetune
         self.device = next(model.parameters()).device
         self.optimizer_s: list[float] = []
 
@@ -243,13 +246,13 @@ def bench_train(
     with torch.no_grad(), vlmod.trace_routing(mod) as trace:
         mod(**inputs, use_cache=False)
     settings = dict(gradient_checkpointing=gradient_checkpointing)
-    flops = {
-        "dense": training_flops(dense, inputs, None, dense_flops_mode, **settings),
-        "mod": training_flops(mod, inputs, trace, trainable, **settings),
-    }
     autocast = torch.bfloat16 if mixed_precision == "bf16" else (None if frozen == torch.float32 else frozen)
     steps = {
         "dense": TrainingStep(dense, inputs, dense_opt, autocast), "mod": TrainingStep(mod, inputs, mod_opt, autocast)
+    }
+    flops = {
+        "dense": training_flops(dense, steps["dense"].batch, None, dense_flops_mode, **settings),
+        "mod": training_flops(mod, steps["mod"].batch, trace, trainable, **settings),
     }
     timings = time_interleaved(steps, warmup=max(warmup, 1), repeats=repeats,
                                progress="train step dense/MoD" if progress else None, device=device)

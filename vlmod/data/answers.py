@@ -28,6 +28,17 @@ def answer_mask(labels: torch.Tensor) -> torch.Tensor:
     return labels[:, 1:] != IGNORE_INDEX
 
 
+def next_token_labels(labels: torch.Tensor) -> torch.Tensor:
+    """[B, L]: the label each position's logits predict (the next position's; -100 at the end)."""
+    return torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def answer_positions(labels: torch.Tensor) -> torch.Tensor:
+    """[K] ascending: the positions whose next token is an answer token in any row, the only
+    logits a fine-tune's loss reads. Its length is data-dependent: one host sync."""
+    return answer_mask(labels).any(0).nonzero().squeeze(1)
+
+
 def normalize_answer(text: str) -> str:
     """Lowercase, punctuation and articles (a, an, the) removed, whitespace collapsed: the
     usual VQA normalisation, so "The circle." and "circle" match exactly."""
@@ -50,4 +61,12 @@ def is_correct(prediction: str, reference: str) -> bool:
     return exact_match(prediction, reference)
 
 
-__all__ = ["IGNORE_INDEX", "answer_mask", "exact_match", "is_correct", "normalize_answer"]
+__all__ = [
+    "IGNORE_INDEX",
+    "answer_mask",
+    "answer_positions",
+    "exact_match",
+    "is_correct",
+    "next_token_labels",
+    "normalize_answer",
+]

@@ -5,7 +5,9 @@ trained, `vlmod.training.loop`).
 Training FLOPs are analytic, per sample, at the run's mean trained tokens per sample (attention-
 mask ones; padding is not counted, as `vlmod eval` counts prefill): the language model's forward
 and backward as `vlmod.tools.training_flops` counts them (a MoD layer forward and backward on its
-processed tokens, the LM head on every position), plus what that module leaves to its caller here:
+processed tokens, the LM head on the positions the loop ran it on: the answer positions, as
+`vlmod.training.logits` keeps them, from the log's `logit_rows`; every position in a log from
+before), plus what that module leaves to its caller here:
 
 - the vision tower: its forward, and where it trains (`train_vision_tower`, the dense stages from
   scratch) two more (input and weight gradients), as the projector's input gradient then too;
@@ -44,6 +46,7 @@ class SampleShape:
     vision: float
     projector: float
     projector_backward: float  # its weight gradients and the input gradients above its first linear
+    head_tokens: float | None = None  # positions the LM head runs on per sample (None: every token)
 
 
 @dataclass(frozen=True)
@@ -71,7 +74,8 @@ def sample_flops(shape: SampleShape, routing: Routing | None = None, capacity: f
     counts = routing.processed(shape, capacity) if routing is not None else {}
     mode = _MODES[trainable]
     language = language_training_flops(shape.dims, shape.tokens, counts, mode, lora_rank=lora_rank,
-                                       gradient_checkpointing=gradient_checkpointing)["total"]
+                                       gradient_checkpointing=gradient_checkpointing,
+                                       head_tokens=shape.head_tokens)["total"]
     tower = shape.vision * (3.0 if train_vision_tower else 1.0)
     if mode == "router":
         projector = shape.projector
@@ -81,14 +85,15 @@ def sample_flops(shape: SampleShape, routing: Routing | None = None, capacity: f
         projector = shape.projector + shape.projector_backward
     teacher = 0.0
     if distill:
-        teacher = shape.vision + shape.projector + language_training_flops(shape.dims, shape.tokens, {}, "full")["forward"]
+        teacher = shape.vision + shape.projector + language_training_flops(
+            shape.dims, shape.tokens, {}, "full", head_tokens=shape.head_tokens)["forward"]
     return language + tower + projector + teacher
 
 
 def sample_shape(model: Any, processor: Any, data: str | Path, num_frames: int, tokens: float,
-                 limit: int = 8) -> SampleShape:
+                 head_tokens: float | None = None, limit: int = 8) -> SampleShape:
     """The SampleShape of `model` on the first `limit` records of `data`, at `tokens` trained
-    tokens per sample (what the run measured)."""
+    tokens and `head_tokens` LM head positions per sample (what the run measured)."""
     from vlmod.data import LlavaDataset, load_records
 
     records = load_records(Path(data))[:limit]
@@ -99,7 +104,7 @@ def sample_shape(model: Any, processor: Any, data: str | Path, num_frames: int, 
     return SampleShape(
         dims=DecoderDims.from_config(model.config.text_config), tokens=tokens, media=n_media,
         vision=generation_flops(model, batch, None)["vision"], projector=projector["forward"],
-        projector_backward=projector["backward"],
+        projector_backward=projector["backward"], head_tokens=head_tokens,
     )
 
 
@@ -142,7 +147,8 @@ def run_cost(run_dir: str | Path, data: str | Path | None = None) -> dict[str, A
     cfg = TrainConfig.from_dict(log["config"])
     model, processor = load_pretrained(run_dir / "model"), AutoProcessor.from_pretrained(run_dir / "model")
     steps, samples = cost["steps_timed"], cost["samples"]
-    shape = sample_shape(model, processor, data or cfg.data, cfg.num_frames, cost["tokens"] / samples)
+    head = cost["logit_rows"] / samples if cost.get("logit_rows") else None
+    shape = sample_shape(model, processor, data or cfg.data, cfg.num_frames, cost["tokens"] / samples, head)
     routing = routing_of(model)
     common = dict(trainable=cfg.trainable, train_vision_tower=cfg.train_vision_tower, distill=bool(cfg.distill_from),
                   gradient_checkpointing=cfg.gradient_checkpointing, lora_rank=cfg.lora_r)
@@ -156,6 +162,7 @@ def run_cost(run_dir: str | Path, data: str | Path | None = None) -> dict[str, A
         "seconds": sum(cost["step_seconds"]),
         "tokens_per_second": cost["tokens_per_second"],
         "tokens_per_sample": shape.tokens,
+        "head_tokens_per_sample": shape.head_tokens,
         "training_flops": per_sample * samples,
         "training_flops_per_step": per_sample * samples / steps,
         "dense_flops": dense * samples,

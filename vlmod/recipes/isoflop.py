@@ -83,7 +83,8 @@ def run_isoflop(out: str | Path, settings: RecipeSettings | None = None, progres
     start = recipe.out / "tower" / "model" if s.tower_steps else recipe.out / "init"
     if not (start / "config.json").is_file():
         recipe.stages.run("init", recipe.init)  # the same seed gives the dense stage's initial weights
-    shape = sample_shape(recipe.dense_model, recipe.processor, recipe.train_json, s.frames, dense_cost["tokens_per_sample"])
+    shape = sample_shape(recipe.dense_model, recipe.processor, recipe.train_json, s.frames, dense_cost["tokens_per_sample"],
+                         dense_cost.get("head_tokens_per_sample"))
     dense_step = sample_flops(shape, trainable="full", train_vision_tower=True) * s.batch_size
     rows = [{"name": "dense", "setting": f"dense, {s.dense_steps} steps", "layers": [], "capacity": 1.0,
              "planned_flops": dense_step * s.dense_steps, **_measured(dense_cost, recipe.result.stages["train dense"]),

@@ -6,8 +6,9 @@ scatter not). A step is:
 
 - **forward**: the vision tower and projector (the vision tower never trains here), every
   language layer (a MoD layer on its processed tokens, plus its router on every token and again
-  on the selected ones, whose logits the gate takes with their gradient) and the LM head on every
-  position (training computes the logits of the whole sequence).
+  on the selected ones, whose logits the gate takes with their gradient) and the LM head on the
+  positions whose logits the step computes (`logits_to_keep` in the inputs: the answer positions,
+  as `vlmod.training.logits` asks; else every position).
 - **backward, input gradients**: through every language block the loss flows through on its way
   to something that trains: a linear costs its forward again, the attention matmuls twice their
   forward (Q K^T and A V both need the gradient of each of their inputs). A MoD layer's backward
@@ -84,6 +85,7 @@ def language_training_flops(
     lora_targets: Sequence[str] = LORA_TARGETS,
     causal: bool = False,
     gradient_checkpointing: bool = False,
+    head_tokens: float | None = None,
 ) -> dict[str, float]:
     """FLOPs per sequence of one training step through the language backbone and LM head:
     {"forward", "backward", "recompute", "total"} (see the module doc).
@@ -93,6 +95,7 @@ def language_training_flops(
         how deep the gradient goes; "projector" and "router" train no language weight).
     causal: count the attention a causal kernel computes ((n + 1) / 2 keys a query) instead of
         the full square (see `vlmod.tools.flops.language_prefill_flops`).
+    head_tokens: positions the LM head runs on (None: all `n_tokens`).
     """
     if trainable not in TRAINABLE_FLOPS:
         raise ValueError(f"trainable must be one of {', '.join(TRAINABLE_FLOPS)}, got {trainable!r}")
@@ -136,7 +139,7 @@ def language_training_flops(
             backward += block - matmuls  # weight gradients of every linear
         if gradient_checkpointing:
             recompute += block + lora + (router if layer in counts else skipped_last)
-    head = linear_flops(n_tokens, dims.dim, dims.vocab)
+    head = linear_flops(n_tokens if head_tokens is None else head_tokens, dims.dim, dims.vocab)
     forward += head
     backward += head * (2.0 if trainable == "full" else 1.0)
     return {"forward": forward, "backward": backward, "recompute": recompute, "total": forward + backward + recompute}
@@ -179,7 +182,9 @@ def training_flops(
     (the frozen tower's forward), "projector" (forward and, where it trains, backward),
     "forward", "backward", "recompute" and "total" (dense-mask attention) and "total_causal"
     (attention as a causal kernel computes it). `trace`: a `RoutingTrace` of a forward of this
-    batch for a MoD model, None for a dense one. `model` may be wrapped by peft."""
+    batch for a MoD model, None for a dense one. `inputs`: what the step's forward takes (its
+    `logits_to_keep`, positions or a count of last positions, decides where the LM head runs). `model` may be
+    wrapped by peft."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     prefill = generation_flops(base, inputs, trace)
     vision = prefill["vision"]
@@ -189,6 +194,10 @@ def training_flops(
     tokens = float(inputs["attention_mask"].sum(1, dtype=torch.float64).mean())
     counts = processed_counts(trace.processed if trace is not None else {}, "language")
     settings = dict(lora_rank=lora_rank, lora_targets=lora_targets, gradient_checkpointing=gradient_checkpointing)
+    keep = inputs.get("logits_to_keep")
+    if isinstance(keep, int):  # transformers' int: the last `keep` positions, 0 every one
+        keep = None if keep == 0 else torch.empty(keep)
+    settings["head_tokens"] = None if keep is None else float(keep.numel())
     language = language_training_flops(dims, tokens, counts, trainable, **settings)
     causal = language_training_flops(dims, tokens, counts, trainable, causal=True, **settings)
     fixed = vision + projector_step

@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from vlmod.data.answers import answer_mask
+from vlmod.data.answers import IGNORE_INDEX
+from vlmod.training.logits import logit_labels
 
 
 def distillation_loss(
@@ -28,10 +29,11 @@ def distillation_loss(
 ) -> Tensor:
     """KL(teacher || student) over the positions that predict an answer token: their mean, or
     their sum over `num_items` (a multi-process run divides by its share of the global count, as
-    the language-model loss does, so every answer token weighs alike)."""
-    mask = answer_mask(labels)
-    s = student_logits[:, :-1][mask].float() / temperature
-    t = teacher_logits[:, :-1][mask].float() / temperature
+    the language-model loss does, so every answer token weighs alike). `labels` [B, K]: the label
+    each logit position predicts (`vlmod.training.logits.logit_labels`), -100 where none."""
+    mask = labels != IGNORE_INDEX
+    s = student_logits[mask].float() / temperature
+    t = teacher_logits[mask].float() / temperature
     if s.numel() == 0:
         return student_logits.sum() * 0.0
     if num_items is None:
@@ -55,11 +57,23 @@ class Teacher:
         model, _ = load_vlm(path, error, "distillation supports", dtype="auto")  # frozen: its own dtype
         return cls(model.to(device), temperature)
 
-    def loss(self, student_logits: Tensor, batch: dict[str, Any], num_items: Tensor | float | None = None) -> Tensor:
+    def loss(
+        self,
+        student_logits: Tensor,
+        batch: dict[str, Any],
+        answers: dict[str, Tensor],
+        num_items: Tensor | float | None = None,
+    ) -> Tensor:
+        """The distillation loss of `student_logits`, which the student computed with the extra
+        inputs `answers` (`vlmod.training.logits.answer_logits_inputs`; {}: every position): the
+        teacher keeps the same positions."""
         with torch.no_grad():
             inputs = {k: v for k, v in batch.items() if k != "labels"}
+            if "logits_to_keep" in answers:
+                inputs["logits_to_keep"] = answers["logits_to_keep"]
             teacher_logits = self.model(**inputs).logits
-        return distillation_loss(student_logits, teacher_logits, batch["labels"], self.temperature, num_items)
+        labels = logit_labels(batch, answers)
+        return distillation_loss(student_logits, teacher_logits, labels, self.temperature, num_items)
 
 
 __all__ = ["Teacher", "distillation_loss"]

@@ -33,6 +33,7 @@ from vlmod.evaluation.evaluate import answer_losses, routable_counts
 from vlmod.routing.trace import trace_routing
 from vlmod.training.checkpoints import DamagedCheckpoint, checkpoint_dir, load_checkpoint, save_checkpoint
 from vlmod.training.config import TrainConfig
+from vlmod.training.logits import answer_logits_inputs
 from vlmod.training.setup import Run
 
 # ----------------------------------------------------------------------------- per step
@@ -124,7 +125,8 @@ class Position:
 class Steps:
     """What the loop did: the last step, the logged history (a resumed run's from its first step),
     the last log and validation loss, and what the steps this process ran cost: each one's wall
-    seconds, and the samples and tokens they trained (all processes)."""
+    seconds, the samples and tokens they trained and the positions the LM head ran on (all
+    processes)."""
 
     step: int
     history: list[dict[str, float]] = field(default_factory=list)
@@ -133,6 +135,7 @@ class Steps:
     step_seconds: list[float] = field(default_factory=list)
     samples: int = 0
     tokens: int = 0
+    logit_rows: int = 0
 
 
 def _saved_history(state: dict[str, Any], accelerator: Any) -> list[dict[str, float]]:
@@ -183,6 +186,7 @@ class _Tally:
         self.micro = 0
         self.tokens = torch.zeros((), dtype=torch.long, device=device)
         self.samples = 0
+        self.logit_rows = 0  # positions the LM head ran on, summed over rows (what its FLOPs count)
 
     def reset(self) -> None:
         self.loss.zero_()
@@ -197,6 +201,8 @@ def _micro_step(run: Run, batch: dict[str, Any], per_token: bool, tally: _Tally)
         token_share = answer_token_share(batch, accelerator) if per_token else None
         # No KV cache: a training forward never decodes, and building one costs a copy per layer.
         extra = {"use_cache": False} if token_share is None else {"use_cache": False, "num_items_in_batch": token_share}
+        answers = answer_logits_inputs(model, batch)  # logits only where the loss reads them
+        extra.update(answers)
         if run.parts:
             with trace_routing(model) as trace, run.compute():
                 out = model(**batch, **extra)
@@ -206,7 +212,8 @@ def _micro_step(run: Run, batch: dict[str, Any], per_token: bool, tally: _Tally)
                 out = model(**batch, **extra)
         loss = out.loss
         if run.teacher is not None:
-            loss = loss + cfg.distill_weight * run.teacher.loss(out.logits, batch, token_share)
+            loss = loss + cfg.distill_weight * run.teacher.loss(out.logits, batch, answers, token_share)
+        tally.logit_rows += out.logits.shape[0] * out.logits.shape[1]
         accelerator.backward(loss)
         if accelerator.sync_gradients and cfg.max_grad_norm:
             accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
@@ -293,6 +300,7 @@ def run_steps(run: Run, position: Position, progress: bool = True) -> Steps:
     done.step = step
     done.tokens = int(accelerator.reduce(tally.tokens, reduction="sum"))
     done.samples = int(accelerator.reduce(torch.tensor(tally.samples, device=accelerator.device), reduction="sum"))
+    done.logit_rows = int(accelerator.reduce(torch.tensor(tally.logit_rows, device=accelerator.device), reduction="sum"))
     return done
 
 

@@ -12,7 +12,8 @@ The estimate counts, per process:
   product; plus the attention scores under eager attention), the float32 input each RMSNorm keeps
   when it upcasts (2 x 4 x width bytes) and, at a MoD layer, the float32 input of its router
   (4 x width bytes); or only the layer input under gradient checkpointing (plus one layer
-  recomputed); the logits and their gradient in float32. Counted with saved-tensor hooks on a
+  recomputed); the logits and their gradient in float32, at the positions the LM head runs on
+  (the answer positions, `vlmod.training.logits`). Counted with saved-tensor hooks on a
   LLaVA of Llama's MLP ratio in bfloat16: a full fine-tune saves 47.4 x width bytes per token and
   layer dense and 52.0 at MoD layers (capacity 1.0), LoRA and router fine-tunes 35.6 to 38.1; the
   formula gives 49.5 and 53.5 (the old 8 x width + 3 x MLP width gave 40.1, 2 GiB under a 7B
@@ -71,10 +72,12 @@ def _text_config(model: nn.Module) -> Any:
 
 
 def estimate(
-    model: nn.Module, tokens: int, *, longest: int, compute_dtype: torch.dtype, gradient_checkpointing: bool
+    model: nn.Module, tokens: int, *, longest: int, compute_dtype: torch.dtype, gradient_checkpointing: bool,
+    logit_rows: int | None = None,
 ) -> MemoryEstimate:
     """Bytes a training step of `model` (trainable parameters marked) holds for a micro-batch of
-    `tokens` tokens whose longest row is `longest`, activations in `compute_dtype`."""
+    `tokens` tokens whose longest row is `longest`, activations in `compute_dtype`, the LM head
+    on `logit_rows` positions (None: every token)."""
     frozen = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     text = _text_config(model)
@@ -91,7 +94,7 @@ def estimate(
         activations = layers * tokens * size * width + per_layer + 4 * width * tokens
     else:
         activations = layers * per_layer + routed * 4 * width * tokens
-    activations += 2 * tokens * vocab * 4  # float32 logits and their gradient
+    activations += 2 * (tokens if logit_rows is None else logit_rows) * vocab * 4  # float32 logits and their gradient
     process = process_bytes(next(model.parameters()).device)
     headroom = 8 * trainable + HEADROOM + (16 * trainable + activations + process) // 10
     return MemoryEstimate(frozen, 16 * trainable, activations, process, headroom)

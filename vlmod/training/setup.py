@@ -32,6 +32,7 @@ from vlmod.training import memory
 from vlmod.training.checkpoints import check_output_dir_owner, resolve_resume
 from vlmod.training.config import TrainConfig
 from vlmod.training.distill import Teacher
+from vlmod.training.logits import answer_logits_inputs
 
 # ----------------------------------------------------------------------------- model
 
@@ -274,8 +275,10 @@ def check_memory(model: nn.Module, dataset: Any, cfg: TrainConfig, dtype: torch.
     first = dataset.collate([dataset[i] for i in range(min(cfg.batch_size, len(dataset)))])
     ids = first["input_ids"]
     compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, dtype)
+    keep = answer_logits_inputs(model, first).get("logits_to_keep")
     needed = memory.estimate(
-        model, ids.numel(), longest=ids.shape[1], compute_dtype=compute, gradient_checkpointing=cfg.gradient_checkpointing
+        model, ids.numel(), longest=ids.shape[1], compute_dtype=compute, gradient_checkpointing=cfg.gradient_checkpointing,
+        logit_rows=None if keep is None else ids.shape[0] * keep.numel(),
     )
     if not sharded(accelerator):
         memory.check_fits(needed, accelerator.device, TrainError)

@@ -59,7 +59,8 @@ class TrainResult:
 
 def step_cost(steps: Steps) -> dict[str, Any]:
     """What the steps this process ran cost: their count, each one's wall seconds and the median,
-    the samples and tokens they trained (all processes) and tokens a second over those steps."""
+    the samples and tokens they trained and the positions the LM head ran on (all processes), and
+    tokens a second over those steps."""
     seconds = steps.step_seconds
     total = sum(seconds)
     return {
@@ -67,6 +68,7 @@ def step_cost(steps: Steps) -> dict[str, Any]:
         "step_seconds_median": statistics.median(seconds) if seconds else None,
         "samples": steps.samples,
         "tokens": steps.tokens,
+        "logit_rows": steps.logit_rows,
         "tokens_per_second": steps.tokens / total if total > 0 else None,
         "step_seconds": [round(t, 6) for t in seconds],
     }
