@@ -62,13 +62,14 @@ for path in sorted(Path(sys.argv[1]).glob("*.json")):
     rows.append(
         f"| {r['model']} | {r['trainable']} | {next(iter(r['mod_layers'].values())):g} | "
         f"{'on' if r['gradient_checkpointing'] else 'off'} | {d['step_s'] * 1e3:.0f} | {m['step_s'] * 1e3:.0f} | "
-        f"{r['predicted_step_speedup']:.3f}x | {r['step_speedup']:.3f}x | {r['step_efficiency']:.3f} | "
+        f"{r['predicted_step_speedup']:.3f}x | {r['step_speedup']:.3f}x | {r['step_efficiency']:.3f} "
+        f"({r['step_efficiency_causal_attention']:.3f}) | "
         f"{without(r)} | "
         f"{mib(d['peak_memory_bytes'])} | {mib(m['peak_memory_bytes'])} | {peak} | "
         f"{skipped(r)} | {'yes' if r['contended'] else 'no'} |"
     )
 print("| model | trains | capacity | checkpointing | dense ms | MoD ms | predicted | measured | efficiency "
-      "| efficiency without AdamW | dense peak MiB | MoD peak MiB | peak change | tokens skipped | contended |")
+      "(causal) | efficiency without AdamW | dense peak MiB | MoD peak MiB | peak change | tokens skipped | contended |")
 print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 print("\n".join(rows))
 EOF

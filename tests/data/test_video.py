@@ -225,11 +225,17 @@ REQUIRED = ("frames_per_s", "prefill_s", "decode_tokens_per_s", "kv_cache_bytes"
 
 def test_bench_video_tiny_preset(tmp_path, capsys: pytest.CaptureFixture[str]):
     out = tmp_path / "bench.json"
-    args = ["bench", "video", "--preset", "tiny", "--repeats", "1", "--warmup", "0", "--new-tokens", "2"]
+    args = ["bench", "video", "--preset", "tiny", "--repeats", "1", "--warmup", "0", "--new-tokens", "2", "--control"]
     assert main([*args, "--no-progress", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "frames/s" in printed and "predicted speedup" in printed
     result = json.loads(out.read_text())
+    # --control: a second dense model in the prefill rotation, its ratio to dense the noise floor.
+    assert "dense / a second dense (same weights, the noise floor)" in printed
+    dense, control = result["dense"]["prefill_samples_s"], result["prefill_control"]["samples_s"]
+    assert len(control) == len(dense) == 1
+    assert result["prefill_control"]["ratio"] == pytest.approx(dense[0] / control[0])
+    assert result["prefill_speedup_paired"] == pytest.approx(dense[0] / result["mod"]["prefill_samples_s"][0])
     for name in ("dense", "mod"):
         for key in REQUIRED:
             assert math.isfinite(result[name][key]) and result[name][key] > 0, (name, key)

@@ -138,6 +138,40 @@ def build_pair(
     return dense, mod, processor, words, "converted here"
 
 
+def timed_prefill(
+    dense: nn.Module,
+    mod: nn.Module,
+    inputs: Mapping[str, Any],
+    cache: str,
+    new_tokens: int,
+    warmup: int,
+    repeats: int,
+    progress: bool,
+    control: bool = False,
+) -> tuple[dict[str, Any], Any, dict[str, Any]]:
+    """Prefill timings of both models, interleaved, their contention verdict, and the paired
+    figures: `prefill_speedup_paired` (the median of the per-repeat dense / MoD ratios) and, with
+    `control`, `prefill_control`: a second dense model over the same weights joins the rotation,
+    and its dense / dense ratio is what the machine's noise alone makes of two identical models (a
+    gap smaller than that is not resolved)."""
+    timed = {"dense": dense, "dense_control": shared_copy(dense), "mod": mod} if control else {"dense": dense, "mod": mod}
+    prefill = time_interleaved(
+        {n: (lambda m=m: m(**inputs, **cache_kwargs(m, cache, new_tokens), use_cache=True, logits_to_keep=1))
+         for n, m in timed.items()},
+        warmup=warmup, repeats=repeats, progress="prefill dense/MoD" if progress else None,
+        device=inputs["input_ids"].device,
+    )
+    judged = contention(prefill)
+    pairs: dict[str, Any] = {"prefill_speedup_paired": paired_ratio(prefill["dense"], prefill["mod"], judged.clean_repeats)}
+    if control:
+        pairs["prefill_control"] = {
+            "ratio": paired_ratio(prefill["dense"], prefill["dense_control"], judged.clean_repeats),
+            "control_s": prefill["dense_control"].median(judged.clean_repeats),
+            "samples_s": prefill["dense_control"].wall_s,
+        }
+    return prefill, judged, pairs
+
+
 def bench_generation(
     dense: nn.Module,
     mod: nn.Module,
@@ -164,12 +198,9 @@ def bench_generation(
     batch = inputs["input_ids"].shape[0]
     flops, kv = generation_footprint(dense, mod, inputs)
     models = {"dense": dense, "mod": mod}
-    timed = {"dense": dense, "dense_control": shared_copy(dense), "mod": mod} if control else models
     gen = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad_token_id)
-    prefill = time_interleaved(
-        {n: (lambda m=m: m(**inputs, **cache_kwargs(m, cache, new_tokens), use_cache=True, logits_to_keep=1))
-         for n, m in timed.items()},
-        warmup=warmup, repeats=repeats, progress="prefill dense/MoD" if progress else None, device=device,
+    prefill, prefill_judged, prefill_pairs = timed_prefill(
+        dense, mod, inputs, cache, new_tokens, warmup, repeats, progress, control
     )
     clocks = {name: StepClock() for name in models}
 
@@ -182,7 +213,6 @@ def bench_generation(
         {n: (lambda n=n: generate(n)) for n in models},
         warmup=warmup, repeats=repeats, progress="generate dense/MoD" if progress else None, device=device,
     )
-    prefill_judged = contention(prefill)
     decode, decode_judged, paired = decode_figures(clocks, timings, repeats, batch)
     lockstep = timed_lockstep(models, inputs, new_tokens * repeats, cache, decode_bound) if new_tokens > 1 else None
     peaks = {
@@ -199,13 +229,7 @@ def bench_generation(
         }
     result["decode_lockstep"] = lockstep
     result.update(speedups(result, flops, kv))
-    result["prefill_speedup_paired"] = paired_ratio(prefill["dense"], prefill["mod"], prefill_judged.clean_repeats)
-    if control:
-        result["prefill_control"] = {
-            "ratio": paired_ratio(prefill["dense"], prefill["dense_control"], prefill_judged.clean_repeats),
-            "control_s": prefill["dense_control"].median(prefill_judged.clean_repeats),
-            "samples_s": prefill["dense_control"].wall_s,
-        }
+    result.update(prefill_pairs)
     result.update(
         decode_speedup_paired=paired,
         contended=prefill_judged.contended or decode_judged.contended,

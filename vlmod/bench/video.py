@@ -33,10 +33,10 @@ from vlmod.bench.generation import (
     model_figures,
     prompt_counts,
     speedups,
+    timed_prefill,
 )
 from vlmod.bench.inputs import on_device, parse_layers, prompt_text, synthetic_clip
 from vlmod.bench.timing import (
-    contention,
     describe_device,
     keeps_threads,
     load_average,
@@ -119,6 +119,7 @@ def bench_video(
     decode_bound: bool = False,
     device: str | torch.device = "cpu",
     dtype: str | torch.dtype | None = None,
+    control: bool = False,
 ) -> dict[str, Any]:
     """Dense vs MoD video question answering, end to end.
 
@@ -134,6 +135,8 @@ def bench_video(
     cache: the KV cache both models generate with (`vlmod.bench.decode.CACHES`). threads: torch's
     intra-op threads while the benchmark runs (the caller's count is restored afterwards).
     decode_bound: also decode in lockstep with MoD's routing bypassed (`routing_bypassed`).
+    control: time a second dense model over the same weights in the prefill rotation (the noise
+    floor, `prefill_control`; `vlmod.bench.generation.timed_prefill`).
     device, dtype: where the models run and in what dtype (None: the checkpoint's or the preset's
     own); frames are decoded and preprocessed on the CPU, as a user's pipeline does.
     """
@@ -173,7 +176,7 @@ def bench_video(
             raise InputError(f"the processor of {model} has no video processor: it cannot prepare video inputs")
         result = _time_video(
             dense, mod, processor, path, clip, words, batch, new_tokens, warmup, repeats, progress, cache,
-            decode_bound,
+            decode_bound, control,
         )
     result.update(
         benchmark="video",
@@ -209,6 +212,7 @@ def _time_video(
     progress: bool,
     cache: str,
     decode_bound: bool = False,
+    control: bool = False,
 ) -> dict[str, Any]:
     """The timed part of `bench_video` (models built, clip checked)."""
     from transformers import LogitsProcessorList
@@ -248,16 +252,13 @@ def _time_video(
     decode_video = time_interleaved(
         {"decode": lambda: load_video(path, num_frames=num_frames)}, warmup=warmup, repeats=repeats
     )["decode"]
-    prefill = time_interleaved(
-        {n: (lambda m=m: m(**inputs, **cache_kwargs(m, cache, new_tokens), use_cache=True, logits_to_keep=1))
-         for n, m in models.items()},
-        warmup=warmup, repeats=repeats, progress="prefill dense/MoD" if progress else None, device=device,
+    prefill, prefill_judged, prefill_pairs = timed_prefill(
+        dense, mod, inputs, cache, new_tokens, warmup, repeats, progress, control
     )
     end_to_end = time_interleaved(
         {n: (lambda n=n: pipeline(n)) for n in models},
         warmup=warmup, repeats=repeats, progress="end to end dense/MoD" if progress else None, device=device,
     )
-    prefill_judged = contention(prefill)
     decode, e2e_judged, paired = decode_figures(clocks, end_to_end, repeats, batch)
     lockstep = timed_lockstep(models, inputs, new_tokens * repeats, cache, decode_bound) if new_tokens > 1 else None
     used = e2e_judged.clean_repeats
@@ -282,6 +283,7 @@ def _time_video(
     video_tokens, prompt_tokens = prompt_counts(inputs, dense.config.video_token_id)
     result["decode_lockstep"] = lockstep
     result.update(speedups(result, flops, kv))
+    result.update(prefill_pairs)
     result.update(
         frames=num_frames,
         video_tokens=video_tokens,

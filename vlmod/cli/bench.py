@@ -118,6 +118,15 @@ def _add_cache_argument(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_control_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--control", action="store_true",
+        help="also time a second dense model over the same weights in the prefill rotation: the dense / dense "
+        "ratio is the gap this machine's noise alone makes, so a MoD gap below it is not resolved "
+        "(default: off; the prefill timing takes half as long again)",
+    )
+
+
 def add_bench_llava_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
     """`vlmod bench llava`: dense vs MoD prefill, decode and KV cache of a LLaVA model."""
     p = subparsers.add_parser(
@@ -147,12 +156,7 @@ def add_bench_llava_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
            help="prompts per batch (default: 1)")
     p.add_argument("--new-tokens", type=positive_int, default=16, help="tokens to generate (default: 16)")
     _add_cache_argument(p)
-    p.add_argument(
-        "--control", action="store_true",
-        help="also time a second dense model over the same weights in the prefill rotation: the dense / dense "
-        "ratio is the gap this machine's noise alone makes, so a MoD gap below it is not resolved "
-        "(default: off; the prefill timing takes half as long again)",
-    )
+    _add_control_argument(p)
     add_device_arguments(p, "the checkpoint's own, float32 for llava-1.5, bfloat16 for the -full preset")
     add_timing_arguments(p, warmup=1, repeats=5)
     p.set_defaults(run=run_bench_llava, model_flags=MODEL_FLAG)
@@ -203,6 +207,7 @@ def add_bench_video_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--new-tokens", type=positive_int, default=16, help="tokens to generate (default: 16)")
     _add_cache_argument(p)
+    _add_control_argument(p)
     add_device_arguments(p, "the checkpoint's own, float32 for the small presets, bfloat16 for -full")
     add_timing_arguments(p, warmup=1, repeats=5)
     p.set_defaults(run=run_bench_video, model_flags=MODEL_FLAG)
@@ -214,7 +219,7 @@ def run_bench_video(args: argparse.Namespace) -> int:
         model=args.model, preset=args.preset, video=args.video, frames=args.frames, batch=args.batch,
         capacity=args.capacity, layers=args.layers, new_tokens=args.new_tokens, warmup=args.warmup,
         repeats=args.repeats, threads=args.threads, progress=not args.no_progress, cache=args.cache,
-        decode_bound=args.decode_bound, device=args.device, dtype=args.dtype,
+        decode_bound=args.decode_bound, device=args.device, dtype=args.dtype, control=args.control,
     )
     print(format_video_result(result))
     write_json_result(args.json, result)
