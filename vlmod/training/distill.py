@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from vlmod.data.answers import IGNORE_INDEX
-from vlmod.training.logits import logit_labels
+from vlmod.training.logits import keeps_answer_logits, logit_labels
 
 
 def distillation_loss(
@@ -67,11 +67,15 @@ class Teacher:
         """The distillation loss of `student_logits`, which the student computed with the extra
         inputs `answers` (`vlmod.training.logits.answer_logits_inputs`; {}: every position): the
         teacher keeps the same positions."""
+        keep = answers.get("logits_to_keep")
         with torch.no_grad():
             inputs = {k: v for k, v in batch.items() if k != "labels"}
-            if "logits_to_keep" in answers:
-                inputs["logits_to_keep"] = answers["logits_to_keep"]
+            if keep is not None and keeps_answer_logits(self.model):
+                inputs["logits_to_keep"] = keep
+                keep = None
             teacher_logits = self.model(**inputs).logits
+        if keep is not None:  # a teacher that computes every logit
+            teacher_logits = teacher_logits[:, keep]
         labels = logit_labels(batch, answers)
         return distillation_loss(student_logits, teacher_logits, labels, self.temperature, num_items)
 

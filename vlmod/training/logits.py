@@ -16,6 +16,7 @@ Models whose forward or loss function does not take them (remote code) keep ever
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
@@ -35,11 +36,19 @@ def keeps_answer_logits(model: nn.Module) -> bool:
             break
         model = inner
     try:
-        forward = inspect.signature(model.forward).parameters
-        loss = inspect.signature(model.loss_function).parameters
-    except (AttributeError, TypeError, ValueError):
+        loss = model.loss_function
+    except AttributeError:
         return False
-    return "logits_to_keep" in forward and "shift_labels" in loss
+    return _takes(type(model).forward, "logits_to_keep") and _takes(loss, "shift_labels")
+
+
+@functools.lru_cache(maxsize=64)
+def _takes(fn: Any, name: str) -> bool:
+    """Whether `fn` has a parameter `name` (cached: the step asks every micro-batch)."""
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def answer_logits_inputs(model: nn.Module, batch: dict[str, Any]) -> dict[str, Tensor]:
