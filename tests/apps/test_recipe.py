@@ -238,6 +238,19 @@ def test_reuse_trained_only_evaluates_again(image_run: tuple, tmp_path: Path) ->
         run_recipe(tmp_path / "run", settings, progress=False, log=lambda _: None, reuse_trained=True)
 
 
+def test_the_mod_stage_trains_the_points_up_to_train_up_to(video_run: tuple) -> None:
+    """The fine-tune draws the capacities of the points up to 3.5x (5x's, 2 of 128 vision tokens a
+    layer, cost the full video recipe 2-6 points everywhere); the 5x point is evaluated on it."""
+    from vlmod.recipes.recipe import trained_capacities
+
+    out, _ = video_run
+    points = json.loads((out / "results.json").read_text())["compute_points"]
+    config = json.loads((out / "mod" / "train_log.json").read_text())["config"]
+    assert config["capacities"] == [p["capacity"] for p in points if p["target"] <= 3.5]
+    assert any(p["target"] == 5.0 and p["capacity"] is not None for p in points)
+    assert trained_capacities(points, 1.2) == [points[0]["capacity"]]  # below every point: the lowest one's
+
+
 def test_recipe_settings_refuse_bad_values(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     from vlmod.cli import main
     from vlmod.errors import InputError
@@ -246,6 +259,8 @@ def test_recipe_settings_refuse_bad_values(tmp_path: Path, capsys: pytest.Captur
         RecipeSettings.for_task("audio")
     with pytest.raises(InputError, match="targets"):
         RecipeSettings.for_task("image", targets=(0.5,))
+    with pytest.raises(InputError, match="train_up_to is an LM FLOPs reduction > 1, got 0.9"):
+        RecipeSettings.for_task("video", train_up_to=0.9)
     assert main(["recipe", "--quick", "--out", str(tmp_path / "run"), "--stack-share", "1.5"]) == 2
     assert "stack_share is the pre-LLM reduction's share of a stacked point, in (0, 1), got 1.5" in capsys.readouterr().err
     assert main(["recipe", "--quick", "--out", str(tmp_path / "run"), "--stack-scoring", "max"]) == 2

@@ -36,6 +36,8 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("capacity_warmup", non_negative_float, "share of the MoD fine-tune over which capacity falls from 1.0 to "
                                             "each step's draw (or a step count if >= 1)"),
     ("mod_layers", str, "converted language layers: 'all' (every layer but 0) or 'arank:N'"),
+    ("train_up_to", float, "the MoD fine-tune trains at the capacities of the points up to this LM FLOPs "
+                           "reduction (each step draws one); points past it are evaluated on that model"),
     ("stack_share", float, "MoD stacked on pre-LLM reduction: the reduction's share of each point's LM FLOPs "
                            "reduction, in log terms (0.5: each does the square root), MoD the rest"),
     ("stack_scoring", str, "MoD stacked on pre-LLM reduction: its ranking, cls or mean (every query's attention)"),

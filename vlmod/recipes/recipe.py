@@ -127,6 +127,13 @@ def run_recipe(out: str | Path, settings: RecipeSettings | None = None, progress
     return recipe.write_results()
 
 
+def trained_capacities(points: list[dict[str, Any]], up_to: float) -> list[float]:
+    """The capacities the MoD stage trains at: those of the points MoD reaches up to `up_to`
+    (the lowest-reduction reachable point's alone when none is that low)."""
+    reached = [p for p in points if p["capacity"] is not None]
+    return [p["capacity"] for p in reached if p["target"] <= up_to] or [p["capacity"] for p in reached[:1]]
+
+
 class _Recipe(PointEvaluations):
     """The stages of one recipe run, in the order `run_recipe` calls them; each records what later
     stages read (the dense model, the compute points, the fine-tuned models) on `self`; the
@@ -329,8 +336,9 @@ class _Recipe(PointEvaluations):
                  + f"; compute points {self.result.points}")
 
     def convert_and_finetune(self) -> None:
-        """Convert at the main point, fine-tune one MoD model over every point's capacity, and
-        (dense_control) the same training on the unconverted dense model."""
+        """Convert at the main point, fine-tune one MoD model over the capacities of the points up to
+        `train_up_to` (`trained_capacities`), and (dense_control) the same training on the
+        unconverted dense model."""
         s, stages, result = self.s, self.stages, self.result
         self.converted = self.out / "converted"
         stages.run("convert", lambda: convert(ConvertOptions(
@@ -341,8 +349,7 @@ class _Recipe(PointEvaluations):
         mod_stage = {"trainable": "language", "lr": s.mod_lr, "max_steps": s.mod_steps,
                      "distill_from": str(self.dense) if s.distill else None}
         self.mod = stages.run("train MoD", lambda: self.finetune(
-            self.converted, "mod", router_lr=s.router_lr,
-            capacities=[p["capacity"] for p in result.points if p["capacity"] is not None],
+            self.converted, "mod", router_lr=s.router_lr, capacities=trained_capacities(result.points, s.train_up_to),
             capacity_warmup=s.capacity_warmup, **mod_stage,
         ))
         if s.dense_control:

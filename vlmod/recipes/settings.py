@@ -54,6 +54,10 @@ class RecipeSettings:
     mod_layers: str = "all"
     schedule: str | None = None
     targets: tuple[float, ...] = (1.5, 2.0, 3.0, 3.5, 5.0, 8.0)
+    # The MoD stage trains at the capacities of the points up to this reduction (each step draws
+    # one); points past it are evaluated on that model as trained. Drawing 5x's capacity too (2 of
+    # 128 vision tokens a layer on the video recipe) cost every point 2-6 points (docs/results.md).
+    train_up_to: float = 3.5
     goal: float = 3.0
     rank_samples: int = 64
     mod_steps: int = 2100
@@ -110,6 +114,8 @@ class RecipeSettings:
             raise InputError(f"targets are LM FLOPs reductions > 1 (e.g. 2 for half the FLOPs), got {self.targets}")
         if self.task == "video" and self.tower_steps and not (self.num_train_images or self.image_model):
             raise InputError("tower pretraining learns on the image set: give num_train_images > 0 or tower_steps 0")
+        if self.train_up_to <= 1.0:
+            raise InputError(f"train_up_to is an LM FLOPs reduction > 1, got {self.train_up_to}")
         if not 0.0 < self.stack_share < 1.0:
             raise InputError(f"stack_share is the pre-LLM reduction's share of a stacked point, in (0, 1), got "
                              f"{self.stack_share}")
