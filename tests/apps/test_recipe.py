@@ -239,8 +239,8 @@ def test_reuse_trained_only_evaluates_again(image_run: tuple, tmp_path: Path) ->
 
 
 def test_the_mod_stage_trains_the_points_up_to_train_up_to(video_run: tuple) -> None:
-    """The fine-tune draws the capacities of the points up to 3.5x (5x's, 2 of 128 vision tokens a
-    layer, cost the full video recipe 2-6 points everywhere); the 5x point is evaluated on it."""
+    """The fine-tune draws the capacities of the points up to 3.5x (those of the published video
+    run); the 5x point is evaluated on that model."""
     from vlmod.recipes.recipe import trained_capacities
 
     out, _ = video_run

@@ -55,8 +55,8 @@ class RecipeSettings:
     schedule: str | None = None
     targets: tuple[float, ...] = (1.5, 2.0, 3.0, 3.5, 5.0, 8.0)
     # The MoD stage trains at the capacities of the points up to this reduction (each step draws
-    # one); points past it are evaluated on that model as trained. Drawing 5x's capacity too (2 of
-    # 128 vision tokens a layer on the video recipe) cost every point 2-6 points (docs/results.md).
+    # one); points past it are evaluated on that model as trained (3.5: the draws of the published
+    # video run; 5x's capacity is 2 of 128 vision tokens a layer there).
     train_up_to: float = 3.5
     goal: float = 3.0
     rank_samples: int = 64
