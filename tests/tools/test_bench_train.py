@@ -215,3 +215,15 @@ def test_bench_train_refuses_a_missing_checkpoint_in_one_line(tmp_path, capsys):
     assert main(["bench", "train", "--model", str(tmp_path / "nope"), *FAST]) != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: "), err
+
+
+def test_head_positions_follow_transformers_logits_to_keep():
+    from vlmod.tools.training_flops import head_positions
+
+    mask = torch.zeros(2, 6, dtype=torch.bool)
+    mask[0, 4:] = mask[1, 1:] = True
+    assert head_positions(None, 2) is None and head_positions(0, 2) is None
+    assert head_positions(3, 2) == 3.0
+    assert head_positions(torch.tensor([2, 5]), 2) == 2.0
+    assert head_positions(torch.tensor([[1, 2, 3], [0, 4, 5]]), 2) == 3.0
+    assert head_positions(mask, 2) == 3.5

@@ -168,6 +168,19 @@ def media_tokens(model: nn.Module, inputs: Mapping[str, object]) -> float:
     return float(media.sum(1, dtype=torch.float64).mean())
 
 
+def head_positions(keep: int | torch.Tensor | None, batch: int) -> float | None:
+    """Positions per sequence the LM head runs on under transformers' `logits_to_keep` (None:
+    every one): an int keeps the last `keep` (0: all), a 1D tensor those positions, a 2D integer
+    tensor K positions a row, a 2D boolean mask its True ones (their mean over the rows)."""
+    if keep is None or (isinstance(keep, int) and keep == 0):
+        return None
+    if isinstance(keep, int):
+        return float(keep)
+    if keep.dim() == 2 and keep.dtype == torch.bool:
+        return float(keep.sum()) / batch
+    return float(keep.shape[-1])
+
+
 def training_flops(
     model: nn.Module,
     inputs: Mapping[str, object],
@@ -183,8 +196,8 @@ def training_flops(
     "forward", "backward", "recompute" and "total" (dense-mask attention) and "total_causal"
     (attention as a causal kernel computes it). `trace`: a `RoutingTrace` of a forward of this
     batch for a MoD model, None for a dense one. `inputs`: what the step's forward takes (its
-    `logits_to_keep`, positions or a count of last positions, decides where the LM head runs). `model` may be
-    wrapped by peft."""
+    `logits_to_keep` decides where the LM head runs, `head_positions`). `model` may be wrapped by
+    peft."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     prefill = generation_flops(base, inputs, trace)
     vision = prefill["vision"]
@@ -194,10 +207,7 @@ def training_flops(
     tokens = float(inputs["attention_mask"].sum(1, dtype=torch.float64).mean())
     counts = processed_counts(trace.processed if trace is not None else {}, "language")
     settings = dict(lora_rank=lora_rank, lora_targets=lora_targets, gradient_checkpointing=gradient_checkpointing)
-    keep = inputs.get("logits_to_keep")
-    if isinstance(keep, int):  # transformers' int: the last `keep` positions, 0 every one
-        keep = None if keep == 0 else torch.empty(keep)
-    settings["head_tokens"] = None if keep is None else float(keep.numel())
+    settings["head_tokens"] = head_positions(inputs.get("logits_to_keep"), inputs["input_ids"].shape[0])
     language = language_training_flops(dims, tokens, counts, trainable, **settings)
     causal = language_training_flops(dims, tokens, counts, trainable, causal=True, **settings)
     fixed = vision + projector_step
@@ -216,6 +226,7 @@ __all__ = [
     "LORA_TARGETS",
     "TRAINABLE_FLOPS",
     "language_training_flops",
+    "head_positions",
     "media_tokens",
     "lora_layer_flops",
     "projector_flops",
