@@ -33,6 +33,19 @@ def test_bench_vit_script_writes_json(tmp_path):
         assert data["dense"][key] > 0 and data["mod"][key] > 0
 
 
+def test_profile_train_step_script_profiles_both_models():
+    """scripts/profile_train_step.py (the GPU profile of docs/gpu.md) runs on the CPU too: each
+    model's step under torch.profiler, in the checkpoint's dtype."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "profile_train_step.py"), "--preset", "tiny-video", "--device", "cpu",
+         "--dtype", "bfloat16", "--batch-size", "1", "--steps", "1", "--top", "3"],
+        capture_output=True, text=True,
+    )
+    assert result.returncode == 0, result.stderr
+    for name in ("dense", "MoD"):
+        assert f"===== {name}: " in result.stdout and "kernels a step" in result.stdout
+
+
 def test_bench_llava_tiny_preset_writes_json(tmp_path, capsys):
     out = tmp_path / "llava.json"
     argv = ["bench", "llava", "--preset", "tiny", "--warmup", "0", "--repeats", "1", "--new-tokens", "3",

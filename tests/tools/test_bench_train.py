@@ -168,6 +168,16 @@ def test_bench_train_video_preset_routes_video_tokens():
     assert result["mod_layers"] == {"language:2": 0.5}  # every layer but the first two and the last
 
 
+def test_bench_train_lora_on_bfloat16_weights():
+    """What a GPU run does (the 7B presets in bfloat16): the frozen weights stay bfloat16, the
+    trained projector becomes a float32 master copy, and every forward (the routing trace's too)
+    runs under autocast, so the two meet in one dtype."""
+    result = bench_train(preset="tiny-video", trainable="lora", dtype="bfloat16", warmup=0, repeats=1, threads=1,
+                         progress=False)
+    assert result["dtype"] == "bfloat16" and result["predicted_step_speedup"] > 1.0
+    assert result["mod"]["step_s"] > 0 and result["skipped_token_share"] > 0
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

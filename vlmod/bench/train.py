@@ -140,6 +140,13 @@ def prepare_training(
     return model, make_optimizer(model, cfg), groups
 
 
+def autocast_to(model: nn.Module, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    """Autocast to `dtype` on the model's device, or nothing when `dtype` is None."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(next(model.parameters()).device.type, dtype=dtype)
+
+
 class TrainingStep:
     """One optimizer step on `batch`: forward (under autocast to `autocast` unless None), backward,
     AdamW, gradients dropped (so each step allocates them, as a fine-tune's does). Gradients are
@@ -159,8 +166,7 @@ class TrainingStep:
 
     def __call__(self) -> None:
         with torch.inference_mode(False), torch.enable_grad():
-            context = torch.autocast(self.device.type, dtype=self.autocast) if self.autocast else contextlib.nullcontext()
-            with context:
+            with autocast_to(self.model, self.autocast):
                 loss = self.model(**self.batch, use_cache=False).loss
             loss.backward()
             synchronize(self.device)
@@ -243,10 +249,11 @@ def bench_train(
         mod, mod_opt, mod_groups = prepare_training(mod, trainable, lora, gradient_checkpointing, seed)
     except TrainError as e:
         raise InputError(str(e)) from None
-    with torch.no_grad(), vlmod.trace_routing(mod) as trace:
+    autocast = torch.bfloat16 if mixed_precision == "bf16" else (None if frozen == torch.float32 else frozen)
+    # The trace forward runs as the steps do: the trained weights are float32 master weights now.
+    with torch.no_grad(), autocast_to(mod, autocast), vlmod.trace_routing(mod) as trace:
         mod(**inputs, use_cache=False)
     settings = dict(gradient_checkpointing=gradient_checkpointing)
-    autocast = torch.bfloat16 if mixed_precision == "bf16" else (None if frozen == torch.float32 else frozen)
     steps = {
         "dense": TrainingStep(dense, inputs, dense_opt, autocast), "mod": TrainingStep(mod, inputs, mod_opt, autocast)
     }
