@@ -200,6 +200,47 @@ def test_bad_settings_are_one_error_line(
     assert err.startswith("error:") and message in err and "Traceback" not in err
 
 
+def test_training_behind_a_pre_llm_reduction(workdir: Path, tmp_path: Path) -> None:
+    """reduce_keep: each step's loss is the reduced model's (the MoD model stacked on the
+    reduction, as the recipe evaluates it), and the language model and routers learn from it."""
+    from vlmod.tools.reduction import PreLLMReduction
+    from vlmod.training.setup import EpochSampler as Sampler
+
+    cfg = _cfg(workdir, tmp_path / "run", max_steps=2, reduce_keep=0.5)
+    model, processor = load_model(cfg)
+    ds = vlmod.data.LlavaDataset(cfg.data, processor)
+    first = list(Sampler(len(ds), cfg.seed))[: cfg.batch_size]  # the run's first batch
+    batch = ds.collate([ds[i] for i in first])
+    reducer = PreLLMReduction(model, 0.5, "mean")
+    with torch.no_grad():
+        expected = reducer(**batch).loss
+        full = model(**batch).loss
+    assert reducer.last_length < batch["input_ids"].shape[1]
+    result = train(cfg, progress=False)
+    assert result.history[0]["loss"] == pytest.approx(float(expected), rel=1e-5)
+    assert abs(float(expected) - float(full)) > 1e-4  # the reduction changes what the step sees
+    # The LM head ran on the reduced sequences only.
+    log = json.loads((tmp_path / "run" / "train_log.json").read_text())
+    assert log["cost"]["logit_rows"] < 2 * cfg.batch_size * batch["input_ids"].shape[1]
+    trained = vlmod.load_pretrained(result.model_dir).state_dict()
+    before = model.state_dict()
+    changed = {k for k in trained if not torch.equal(trained[k], before[k])}
+    assert any("mod_router" in k for k in changed) and any("layers.1.mlp" in k for k in changed)
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"reduce_keep": 1.5}, "reduce_keep is the fraction of vision tokens kept"),
+        ({"reduce_keep": 0.5, "reduce_scoring": "max"}, "reduce_scoring must be one of"),
+        ({"reduce_scoring": "cls"}, "reduce_keep is not"),
+    ],
+)
+def test_reduction_settings_are_checked(workdir: Path, tmp_path: Path, settings: dict, message: str) -> None:
+    with pytest.raises(TrainError, match=message):
+        _cfg(workdir, tmp_path, **settings)
+
+
 def test_router_mode_needs_routers_and_a_llava_model(workdir: Path, tmp_path: Path) -> None:
     with pytest.raises(TrainError, match="no MoD routers"):
         load_model(_cfg(workdir, tmp_path, mod=None, trainable="router"))

@@ -79,6 +79,7 @@ class PreLLMReduction(nn.Module):
         self.model = model
         self.keep = float(keep)
         self.scoring = scoring
+        self.last_length: int | None = None  # the language model's sequence length in the last forward
 
     @property
     def config(self) -> Any:
@@ -214,6 +215,7 @@ class PreLLMReduction(nn.Module):
 
     def forward(self, **inputs: Any) -> Any:
         reduced = self.reduce(inputs)
+        self.last_length = reduced["index"].shape[1]
         with _kept_token_types(self.model, reduced["input_ids"]):
             out = self.model(
                 inputs_embeds=reduced["inputs_embeds"], attention_mask=reduced["attention_mask"],

@@ -16,6 +16,7 @@ from typing import Any
 from vlmod.config import DTYPES, MoDConfig
 from vlmod.errors import TrainError, brief
 from vlmod.io.files import read_yaml_mapping
+from vlmod.tools.reduction import SCORINGS as REDUCE_SCORINGS
 
 TRAINABLE = ("router", "language", "lora", "full")
 SCHEDULERS = ("cosine", "linear", "constant")
@@ -57,6 +58,11 @@ class TrainConfig:
         ten times that, which the first part of the run then only repairs; 0: no warm-up.
     distill_from: a checkpoint (the dense original) whose answer distribution the model learns to
         match as well (`vlmod.training.distill`), weighted by `distill_weight`; None: plain fine-tuning.
+    reduce_keep / reduce_scoring: train behind a pre-LLM reduction (`vlmod.tools.reduction`): only
+        this fraction of each sample's vision tokens enters the language model, ranked by the
+        tower's attention ("mean": every query's, the default; "cls": the CLS token's), so a MoD
+        model learns to route what the reduction keeps, as it will run stacked on it. The teacher
+        still sees every token. One process only. None: every vision token enters.
     """
 
     model: str
@@ -102,6 +108,8 @@ class TrainConfig:
     capacity_warmup: float = 0.0
     distill_from: str | None = None
     distill_weight: float = 1.0
+    reduce_keep: float | None = None
+    reduce_scoring: str | None = None
 
     def __post_init__(self) -> None:
         choices = {
@@ -148,6 +156,12 @@ class TrainConfig:
             raise TrainError("resume and overwrite contradict each other: continue the run in output_dir, or delete it")
         if self.router_lr is not None and not self.router_lr > 0:
             raise TrainError(f"router_lr must be > 0, got {self.router_lr}")
+        if self.reduce_keep is not None and (isinstance(self.reduce_keep, bool) or not 0.0 < self.reduce_keep <= 1.0):
+            raise TrainError(f"reduce_keep is the fraction of vision tokens kept, in (0, 1]; got {brief(self.reduce_keep)}")
+        if self.reduce_scoring not in (None, *REDUCE_SCORINGS):
+            raise TrainError(f"reduce_scoring must be one of {', '.join(REDUCE_SCORINGS)}; got {brief(self.reduce_scoring)}")
+        if self.reduce_scoring is not None and self.reduce_keep is None:
+            raise TrainError("reduce_scoring is set but reduce_keep is not: give the fraction of vision tokens to keep")
         if self.mod is not None:
             if self.aux_loss is not None or self.aux_loss_weight is not None:
                 raise TrainError("set aux_loss / aux_loss_weight inside `mod:` when the run converts the model")

@@ -75,15 +75,18 @@ def takes_loss_kwargs(model: nn.Module) -> bool:
 
 
 @torch.no_grad()
-def validation_loss(model: nn.Module, loader: Any, accelerator: Any, compute: Any = nullcontext) -> float:
+def validation_loss(model: nn.Module, loader: Any, accelerator: Any, compute: Any = nullcontext,
+                    forward: Any = None) -> float:
     """Mean answer loss over `loader` (all processes): per-sample mean NLL of the answer tokens,
-    as `vlmod eval` reports it (no router aux term). `compute`: the forward's autocast context."""
+    as `vlmod eval` reports it (no router aux term). `compute`: the forward's autocast context;
+    `forward`: what runs a batch (the model behind a reduction), `model` if None."""
+    forward = forward or model
     model.eval()
     total = torch.zeros((), device=accelerator.device)
     count = torch.zeros((), device=accelerator.device)
     for batch in loader:
         with compute():
-            logits = model(**batch).logits
+            logits = forward(**batch).logits
         losses = answer_losses(logits, batch["labels"])
         total += losses.sum()
         count += losses.numel()
@@ -201,19 +204,23 @@ def _micro_step(run: Run, batch: dict[str, Any], per_token: bool, tally: _Tally)
         token_share = answer_token_share(batch, accelerator) if per_token else None
         # No KV cache: a training forward never decodes, and building one costs a copy per layer.
         extra = {"use_cache": False} if token_share is None else {"use_cache": False, "num_items_in_batch": token_share}
-        answers = answer_logits_inputs(model, batch)  # logits only where the loss reads them
+        # Logits only where the loss reads them; behind a reduction the model sees a shorter
+        # sequence, and the reduction hands back every position's logits (zeros where it dropped).
+        answers = answer_logits_inputs(model, batch) if run.reducer is None else {}
         extra.update(answers)
+        forward = model if run.reducer is None else run.reducer
         if run.parts:
             with trace_routing(model) as trace, run.compute():
-                out = model(**batch, **extra)
+                out = forward(**batch, **extra)
             tally.routed += routed_counts(trace, run.parts).to(tally.routed.device)
         else:
             with run.compute():
-                out = model(**batch, **extra)
+                out = forward(**batch, **extra)
         loss = out.loss
         if run.teacher is not None:
             loss = loss + cfg.distill_weight * run.teacher.loss(out.logits, batch, answers, token_share)
-        tally.logit_rows += out.logits.shape[0] * out.logits.shape[1]
+        length = out.logits.shape[1] if run.reducer is None else run.reducer.last_length
+        tally.logit_rows += out.logits.shape[0] * length
         accelerator.backward(loss)
         if accelerator.sync_gradients and cfg.max_grad_norm:
             accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
@@ -280,7 +287,7 @@ def run_steps(run: Run, position: Position, progress: bool = True) -> Steps:
                 done.history.append(done.last)
                 bar.set_postfix({k: f"{v:.3g}" for k, v in done.last.items() if k != "step"})
             if run.val_loader is not None and cfg.eval_steps and (step % cfg.eval_steps == 0 or step == total_steps):
-                done.val_loss = validation_loss(model, run.val_loader, accelerator, run.compute)
+                done.val_loss = validation_loss(model, run.val_loader, accelerator, run.compute, run.reducer)
                 done.history.append({"step": step, "val_loss": done.val_loss})
                 bar.write(f"step {step}: validation loss {done.val_loss:.4f}")
                 if cfg.report_to:

@@ -344,6 +344,25 @@ class Run:
     needed: Any  # vlmod.training.memory's estimate of the peak
     total_steps: int
     resume_from: list[Path]  # checkpoints to try, newest first (vlmod.training.checkpoints)
+    reducer: nn.Module | None = None  # the model behind a pre-LLM reduction (reduce_keep), or None
+
+
+def make_reducer(model: nn.Module, cfg: TrainConfig, accelerator: Any) -> nn.Module | None:
+    """`model` behind the pre-LLM reduction `cfg` asks for (`vlmod.tools.reduction`), or None.
+    The reduction calls the model's own modules, not a distributed wrapper's forward, so it
+    trains in one process; a LoRA model is reduced through its base model (adapters included)."""
+    if cfg.reduce_keep is None:
+        return None
+    from vlmod.tools.reduction import PreLLMReduction
+
+    if accelerator.num_processes > 1:
+        raise TrainError(f"reduce_keep trains in one process; this launch has {accelerator.num_processes}: "
+                         "run it without accelerate launch / torchrun")
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    try:
+        return PreLLMReduction(base, cfg.reduce_keep, cfg.reduce_scoring or "mean")
+    except ValueError as e:
+        raise TrainError(f"reduce_keep: {e}") from None
 
 
 def prepare(cfg: TrainConfig) -> Run:
@@ -394,6 +413,7 @@ def prepare(cfg: TrainConfig) -> Run:
             val_set, batch_size=cfg.batch_size, collate_fn=val_set.collate, num_workers=cfg.num_workers
         )
     optimizer = make_optimizer(model, cfg)
+    reducer = make_reducer(model, cfg, accelerator)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     # After prepare: `len(loader)` is per process, and DeepSpeed may have set the accumulation.
     # The last partial accumulation of an epoch steps the optimizer too, hence the ceil.
@@ -406,7 +426,7 @@ def prepare(cfg: TrainConfig) -> Run:
         cfg=cfg, accelerator=accelerator, model=model, processor=processor, teacher=teacher,
         train_size=len(train_set), loader=loader, val_loader=val_loader, optimizer=optimizer, scheduler=scheduler,
         parts=parts, groups=groups, frozen_dtype=frozen_dtype, compute=compute, needed=needed,
-        total_steps=total_steps, resume_from=resume_from,
+        total_steps=total_steps, resume_from=resume_from, reducer=reducer,
     )
 
 
@@ -423,6 +443,7 @@ __all__ = [
     "load_model",
     "make_accelerator",
     "make_optimizer",
+    "make_reducer",
     "make_scheduler",
     "mixed_precision",
     "prepare",
