@@ -21,6 +21,9 @@ train() {  # name, then the bench train arguments
 }
 train video-lora-c02-b1 --preset llava-next-video-7b-full --trainable lora --capacity 0.2 --batch-size 1
 train video-lora-c02-b4 --preset llava-next-video-7b-full --trainable lora --capacity 0.2 --batch-size 4
+train video-lora-c02-b6 --preset llava-next-video-7b-full --trainable lora --capacity 0.2 --batch-size 6
+train video-lora-c02-b8-ckpt --preset llava-next-video-7b-full --trainable lora --capacity 0.2 --batch-size 8 \
+  --gradient-checkpointing
 train video-lora-c05-b4 --preset llava-next-video-7b-full --trainable lora --capacity 0.5 --batch-size 4
 train video-router-c02-b4 --preset llava-next-video-7b-full --trainable router --capacity 0.2 --batch-size 4
 train llava-lora-c02-b4 --preset llava-1.5-7b-full --trainable lora --capacity 0.2 --batch-size 4
