@@ -140,11 +140,9 @@ def prepare_training(
     return model, make_optimizer(model, cfg), groups
 
 
-def autocast_to(model: nn.Module, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
-    """Autocast to `dtype` on the model's device, or nothing when `dtype` is None."""
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(next(model.parameters()).device.type, dtype=dtype)
+def autocast_to(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    """Autocast to `dtype` on `device`, or nothing when `dtype` is None."""
+    return contextlib.nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
 
 
 class TrainingStep:
@@ -166,7 +164,7 @@ class TrainingStep:
 
     def __call__(self) -> None:
         with torch.inference_mode(False), torch.enable_grad():
-            with autocast_to(self.model, self.autocast):
+            with autocast_to(self.device, self.autocast):
                 loss = self.model(**self.batch, use_cache=False).loss
             loss.backward()
             synchronize(self.device)
@@ -251,7 +249,7 @@ def bench_train(
         raise InputError(str(e)) from None
     autocast = torch.bfloat16 if mixed_precision == "bf16" else (None if frozen == torch.float32 else frozen)
     # The trace forward runs as the steps do: the trained weights are float32 master weights now.
-    with torch.no_grad(), autocast_to(mod, autocast), vlmod.trace_routing(mod) as trace:
+    with torch.no_grad(), autocast_to(torch.device(device), autocast), vlmod.trace_routing(mod) as trace:
         mod(**inputs, use_cache=False)
     settings = dict(gradient_checkpointing=gradient_checkpointing)
     steps = {
