@@ -137,7 +137,9 @@ def test_the_quick_recipes_reach_5x_and_8x_or_say_they_cannot(image_run: tuple, 
     assert {"learned", "attention"} <= {u["method"] for u in image["out_of_reach"] if u["target"] == 5.0}
     point = next(p for p in video["compute_points"] if p["target"] == 8.0)
     stacked = next(r for r in video["results"] if r["method"] == "stacked" and r["target"] == 8.0)
-    assert stacked["setting"] == f"keep {point['stack_keep']:.3f}, capacity {point['stack_capacity']:.3f}"
+    steps = video["settings"]["stack_steps"]
+    assert stacked["setting"] == (f"keep {point['stack_keep']:.3f}, capacity {point['stack_capacity']:.3f}, "
+                                  f"+{steps} steps behind it")
     # The stack's MoD layers ran a share of what the reduction kept: fewer than the reduction alone.
     alone = next(r for r in video["results"] if r["method"] == "reduce-mean" and r["target"] == 5.0)
     stack5 = next(r for r in video["results"] if r["method"] == "stacked" and r["target"] == 5.0)
@@ -231,6 +233,15 @@ def test_reuse_trained_only_evaluates_again(image_run: tuple, tmp_path: Path) ->
     assert [r["correct"] for r in after] == [r["correct"] for r in before]
     methods = {r["method"] for r in again.rows}
     assert methods >= {"random", "reduce", "reduce-mean"} and "stride" not in methods
+    assert again.stages["train stacked"] == result.stages["train stacked"]
+    # A stage the earlier results do not time (trained by its YAML): its steps' time, from its log.
+    saved = json.loads((tmp_path / "run" / "results.json").read_text())
+    del saved["stage_seconds"]["train stacked"]
+    (tmp_path / "run" / "results.json").write_text(json.dumps(saved))
+    third = run_recipe(tmp_path / "run", settings, progress=False, log=lambda _: None, reuse_dense=True,
+                       reuse_trained=True)
+    log = json.loads((tmp_path / "run" / "stack" / "train_log.json").read_text())
+    assert third.stages["train stacked"] == pytest.approx(sum(log["cost"]["step_seconds"]))
     with pytest.raises(InputError, match="max_steps"):
         run_recipe(tmp_path / "run", dataclasses.replace(settings, mod_steps=3), progress=False, log=lambda _: None,
                    reuse_dense=True, reuse_trained=True)
@@ -249,6 +260,13 @@ def test_the_mod_stage_trains_the_points_up_to_train_up_to(video_run: tuple) -> 
     assert config["capacities"] == [p["capacity"] for p in points if p["target"] <= 3.5]
     assert any(p["target"] == 5.0 and p["capacity"] is not None for p in points)
     assert trained_capacities(points, 1.2) == [points[0]["capacity"]]  # below every point: the lowest one's
+    # The stacked stage goes on from that model, each step at the keep and capacity of one stacked
+    # point past 3.5x (5x and 8x).
+    stack = json.loads((out / "stack" / "train_log.json").read_text())["config"]
+    stacked = [p for p in points if p["stack_keep"] is not None and p["target"] > 3.5]
+    assert stack["model"] == str(out / "mod" / "model") and [p["target"] for p in stacked] == [5.0, 8.0]
+    assert stack["reduce_keep"] == [p["stack_keep"] for p in stacked]
+    assert stack["capacities"] == [p["stack_capacity"] for p in stacked]
 
 
 def test_recipe_settings_refuse_bad_values(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -288,6 +306,10 @@ def test_synthetic_finetune_configs_match_the_recipe(task: str, prefix: str) -> 
     assert (mod.lr, mod.router_lr, mod.max_steps, mod.batch_size) == (s.mod_lr, s.router_lr, s.mod_steps, s.batch_size)
     assert mod.trainable == "language" and not mod.train_vision_tower
     if task == "video":
+        stack = TrainConfig.from_dict(read_yaml_mapping(root / "synthetic-video-stack.yaml", TrainError))
+        assert (stack.lr, stack.router_lr, stack.max_steps) == (s.stack_lr, s.router_lr, s.stack_steps)
+        assert stack.model == mod.output_dir + "/model" and stack.distill_from == mod.distill_from
+        assert stack.reduce_scoring == s.stack_scoring and len(stack.reduce_keep) == len(stack.capacities)
         first = root / "synthetic-video-images.yaml"  # the first training stage starts from the pretrained tower
         images = TrainConfig.from_dict(read_yaml_mapping(first, TrainError))
         assert images.model.endswith("tower/model") and f"--steps {s.tower_steps}" in first.read_text()
@@ -322,9 +344,9 @@ def test_the_video_model_starts_from_every_weight_of_the_image_stage() -> None:
 
 
 def test_each_training_stage_reports_its_step_time_flops_and_tokens(image_run: tuple, video_run: tuple) -> None:
-    for (out, result), stages in ((image_run, ["train dense", "train MoD"]),
+    for (out, result), stages in ((image_run, ["train dense", "train MoD", "train stacked"]),
                                   (video_run, ["train on images", "train dense", "refine dense", "train MoD",
-                                               "train dense control"])):
+                                               "train stacked", "train dense control"])):
         saved = json.loads((out / "results.json").read_text())["training_stages"]
         assert list(saved) == stages
         for stage, cost in saved.items():
@@ -336,6 +358,9 @@ def test_each_training_stage_reports_its_step_time_flops_and_tokens(image_run: t
         # The MoD fine-tune's saving: fewer FLOPs than the same steps unconverted.
         assert mod["training_flops"] < mod["dense_flops"]
         assert dense["training_flops"] == pytest.approx(dense["dense_flops"])
+        # Behind the reduction the language model trains on fewer tokens still (the teacher on all).
+        stack = saved["train stacked"]
+        assert stack["mod"] and stack["training_flops"] / stack["dense_flops"] < mod["training_flops"] / mod["dense_flops"]
         assert "FLOPs against the same steps dense" in (out / "results.md").read_text()
 
 
@@ -361,6 +386,13 @@ def test_training_flops_count_the_tower_and_the_teacher() -> None:
     common = {"trainable": "full", "train_vision_tower": True}
     assert sample_flops(shape, routing, 0.25, **common) < sample_flops(shape, routing, 0.5, **common) < everything
     assert sample_flops(shape, routing, 1.0, **common) > everything
+    # Behind a pre-LLM reduction keeping half: the MoD layers route k of the 8 kept vision tokens,
+    # the dense layers run the kept ones only, and the teacher still reads every token.
+    assert routing.processed(shape, capacity=0.25, keep=0.5) == {1: 16.0, 3: 16.0}
+    frozen = {"trainable": "language"}
+    behind = sample_flops(shape, routing, 0.25, keep=0.5, **frozen)
+    assert behind < sample_flops(shape, routing, 0.25, **frozen)
+    assert sample_flops(shape, routing, 0.25, keep=0.5, distill=True, **frozen) == pytest.approx(behind + forward)
 
 
 # ------------------------------------------------------------------ the isoFLOP check

@@ -142,6 +142,12 @@ def test_yaml_values_are_typed_or_named_errors() -> None:
         TrainConfig.from_dict({"model": "m", "data": "d.json", "output_dir": "o", "mod": 0.5})
     with pytest.raises(TrainError, match="lr must be"):
         TrainConfig.from_dict({"model": "m", "data": "d.json", "output_dir": "o", "lr": "fast"})
+    # A union: one keep, or a list of them paired with the capacities.
+    paths = {"model": "m", "data": "d.json", "output_dir": "o"}
+    assert TrainConfig.from_dict({**paths, "reduce_keep": "0.5"}).reduce_keep == 0.5
+    assert TrainConfig.from_dict({**paths, "reduce_keep": [0.5, 0.25], "capacities": [0.4, 0.2]}).reduce_keep == [0.5, 0.25]
+    with pytest.raises(TrainError, match=r"reduce_keep must be float \| list\[float\] or empty"):
+        TrainConfig.from_dict({**paths, "reduce_keep": {"a": 1}})
 
 
 def test_lora_is_merged_into_the_saved_model(workdir: Path, tmp_path: Path) -> None:
@@ -228,10 +234,35 @@ def test_training_behind_a_pre_llm_reduction(workdir: Path, tmp_path: Path) -> N
     assert any("mod_router" in k for k in changed) and any("layers.1.mlp" in k for k in changed)
 
 
+def test_keeps_pair_with_capacities(workdir: Path, tmp_path: Path) -> None:
+    """A list of keeps: each step runs the keep paired with its capacity draw (one compute point
+    of MoD stacked on the reduction), and its loss is that reduced model's."""
+    from vlmod.api import set_capacity
+    from vlmod.tools.reduction import PreLLMReduction
+    from vlmod.training.loop import step_capacities, step_keep
+    from vlmod.training.setup import EpochSampler as Sampler
+
+    keeps, capacities = [0.25, 0.75, 1.0], [0.3, 0.6, 0.9]
+    cfg = _cfg(workdir, tmp_path / "run", max_steps=1, reduce_keep=keeps, capacities=capacities)
+    drawn = [(step_keep(cfg, step), step_capacities(cfg, {"language": 0.5}, step, 10)["language"]) for step in range(40)]
+    assert {(k, c) for k, c in drawn} == set(zip(keeps, capacities, strict=True))  # paired, and every pair drawn
+    model, processor = load_model(cfg)
+    ds = vlmod.data.LlavaDataset(cfg.data, processor)
+    batch = ds.collate([ds[i] for i in list(Sampler(len(ds), cfg.seed))[: cfg.batch_size]])
+    keep, capacity = drawn[0]
+    set_capacity(model, capacity)
+    with torch.no_grad():
+        expected = PreLLMReduction(model, keep, "mean")(**batch).loss
+    assert train(cfg, progress=False).history[0]["loss"] == pytest.approx(float(expected), rel=1e-5)
+
+
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
         ({"reduce_keep": 1.5}, "reduce_keep is the fraction of vision tokens kept"),
+        ({"reduce_keep": [0.5, 0.0], "capacities": [0.5, 0.5]}, "reduce_keep is the fraction of vision tokens kept"),
+        ({"reduce_keep": [0.5, 0.4], "capacities": [0.5]}, "pairs each with a capacity"),
+        ({"reduce_keep": [0.5, 0.4]}, "pairs each with a capacity"),
         ({"reduce_keep": 0.5, "reduce_scoring": "max"}, "reduce_scoring must be one of"),
         ({"reduce_scoring": "cls"}, "reduce_keep is not"),
     ],

@@ -41,6 +41,9 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("stack_share", float, "MoD stacked on pre-LLM reduction: the reduction's share of each point's LM FLOPs "
                            "reduction, in log terms (0.5: each does the square root), MoD the rest"),
     ("stack_scoring", str, "MoD stacked on pre-LLM reduction: its ranking, cls or mean (every query's attention)"),
+    ("stack_steps", int_at_least(0), "MoD stacked on pre-LLM reduction: steps the MoD model trains on behind the "
+                                     "reduction, each at one stacked point's keep and capacity (0: none)"),
+    ("stack_lr", float, "learning rate of that stage"),
     ("image_size", positive_int, "image / frame side in pixels (vision tokens: (side / patch)^2 an image, a "
                                  "quarter of that a frame)"),
     ("patch_size", positive_int, "vision tower patch side in pixels"),

@@ -13,7 +13,10 @@ before), plus what that module leaves to its caller here:
   scratch) two more (input and weight gradients), as the projector's input gradient then too;
 - a distilled stage's teacher: one dense forward (tower, projector, language model) per sample;
 - capacities drawn per step (`capacities`, `capacity_warmup`): each step at its own draw, as the
-  loop draws them (`vlmod.training.loop.step_capacities`).
+  loop draws them (`vlmod.training.loop.step_capacities`);
+- a run behind a pre-LLM reduction (`reduce_keep`): the language model trains on the kept vision
+  tokens only (each step at its keep, `vlmod.training.loop.step_keep`), the teacher on all; the
+  reduction's own ranking (the tower's last block's attention) is not counted.
 """
 
 from __future__ import annotations
@@ -57,23 +60,27 @@ class Routing:
     capacity: float
     schedule: str | None = None
 
-    def processed(self, shape: SampleShape, capacity: float | None = None) -> dict[int, float]:
+    def processed(self, shape: SampleShape, capacity: float | None = None, keep: float = 1.0) -> dict[int, float]:
         """Tokens each MoD layer runs per sample at mean `capacity` (the routing's own by
-        default): every text token plus k of the vision tokens (whole slots, as the engine)."""
+        default): every text token plus k of the vision tokens (whole slots, as the engine) that
+        a pre-LLM reduction keeping `keep` of them lets in."""
         caps = layer_capacities(self.capacity if capacity is None else capacity, self.layers, shape.dims.layers,
                                 self.schedule)
-        text = shape.tokens - shape.media
-        vision = capacity_to_k if float(shape.media).is_integer() else None
-        return {i: text + (vision(c, int(shape.media)) if vision else c * shape.media) for i, c in caps.items()}
+        text, media = shape.tokens - shape.media, shape.media * keep
+        whole = float(shape.media).is_integer()
+        media = max(1, round(media)) if whole else media
+        return {i: text + (capacity_to_k(c, int(media)) if whole else c * media) for i, c in caps.items()}
 
 
 def sample_flops(shape: SampleShape, routing: Routing | None = None, capacity: float | None = None,
                  trainable: str = "full", train_vision_tower: bool = False, distill: bool = False,
-                 gradient_checkpointing: bool = False, lora_rank: int = 16) -> float:
-    """Training FLOPs of one sample in one step (see the module doc); `routing` None: dense."""
-    counts = routing.processed(shape, capacity) if routing is not None else {}
+                 gradient_checkpointing: bool = False, lora_rank: int = 16, keep: float = 1.0) -> float:
+    """Training FLOPs of one sample in one step (see the module doc); `routing` None: dense;
+    `keep`: the kept share of the vision tokens behind a pre-LLM reduction."""
+    counts = routing.processed(shape, capacity, keep) if routing is not None else {}
     mode = _MODES[trainable]
-    language = language_training_flops(shape.dims, shape.tokens, counts, mode, lora_rank=lora_rank,
+    tokens = shape.tokens - shape.media * (1.0 - keep)
+    language = language_training_flops(shape.dims, tokens, counts, mode, lora_rank=lora_rank,
                                        gradient_checkpointing=gradient_checkpointing,
                                        head_tokens=shape.head_tokens)["total"]
     tower = shape.vision * (3.0 if train_vision_tower else 1.0)
@@ -118,13 +125,19 @@ def routing_of(model: Any) -> Routing | None:
     return Routing(tuple(sorted(part.capacities)), part.config.capacity, part.config.capacity_schedule)
 
 
-def step_draws(cfg: Any, routing: Routing | None, steps: int) -> Counter[float | None]:
-    """How many of the run's `steps` ran at each mean capacity (None: the routing's own)."""
-    from vlmod.training.loop import step_capacities
+def step_draws(cfg: Any, routing: Routing | None, steps: int) -> Counter[tuple[float | None, float]]:
+    """How many of the run's `steps` ran at each (mean capacity, kept share of the vision tokens):
+    capacity None is the routing's own, keep 1.0 no pre-LLM reduction."""
+    from vlmod.training.loop import step_capacities, step_keep
 
-    if routing is None:
-        return Counter({None: steps})
-    draws = (step_capacities(cfg, {"language": routing.capacity}, step, steps).get("language") for step in range(steps))
+    one_keep = 1.0 if cfg.reduce_keep is None or isinstance(cfg.reduce_keep, (list, tuple)) else cfg.reduce_keep
+    draws = []
+    for step in range(steps):
+        capacity = None
+        if routing is not None:
+            capacity = step_capacities(cfg, {"language": routing.capacity}, step, steps).get("language")
+        keep = step_keep(cfg, step)
+        draws.append((capacity, one_keep if keep is None else keep))
     return Counter(draws)
 
 
@@ -153,7 +166,7 @@ def run_cost(run_dir: str | Path, data: str | Path | None = None) -> dict[str, A
     common = dict(trainable=cfg.trainable, train_vision_tower=cfg.train_vision_tower, distill=bool(cfg.distill_from),
                   gradient_checkpointing=cfg.gradient_checkpointing, lora_rank=cfg.lora_r)
     draws = step_draws(cfg, routing, steps)
-    per_sample = sum(n * sample_flops(shape, routing, c, **common) for c, n in draws.items()) / steps
+    per_sample = sum(n * sample_flops(shape, routing, c, keep=k, **common) for (c, k), n in draws.items()) / steps
     dense = sample_flops(shape, None, **common)
     return {
         "steps": steps,

@@ -29,6 +29,8 @@ class PointEvaluations:
     s: Any
     stages: Any
     result: Any
+    mod: Any  # the fine-tuned MoD model's folder
+    stack: Any  # the stacked method's: the MoD model's, or the stage's that trained it on behind the reduction
     counts: Any
     projector_per_token: float
     scoring: float
@@ -52,6 +54,8 @@ class PointEvaluations:
     def evaluate_points(self) -> None:
         s, stages, result = self.s, self.stages, self.result
         self.mod_model = mod_model = load_pretrained(self.mod).eval()
+        # The stacked method's model: the MoD model trained on behind the reduction (`stack_steps`), or itself.
+        self.stack_model = mod_model if self.stack == self.mod else load_pretrained(self.stack).eval()
         attention_model = load_pretrained(self.converted).eval()
         set_router(attention_model, "attention")
         for p in result.points:
@@ -99,19 +103,21 @@ class PointEvaluations:
             self.add_row(method, t, f"keep {p['keep']:.3f}", report)
 
     def evaluate_stacked(self, p: dict[str, Any]) -> None:
-        """MoD stacked on pre-LLM reduction: the fine-tuned MoD model behind the reduction (every
-        query's ranking unless `stack_scoring`), at the capacity that reaches the point on the kept
-        tokens; its FLOPs count each MoD layer on the tokens it ran."""
+        """MoD stacked on pre-LLM reduction: the fine-tuned MoD model (trained on behind the
+        reduction where `stack_steps`) behind the reduction (every query's ranking unless
+        `stack_scoring`), at the capacity that reaches the point on the kept tokens; its FLOPs
+        count each MoD layer on the tokens it ran."""
         if self.skip("stacked", p):
             return
         t, keep, cap = p["target"], p["stack_keep"], p["stack_capacity"]
-        set_capacity(self.mod_model, cap)
-        reducer = PreLLMReduction(self.mod_model, keep, self.s.stack_scoring)
+        set_capacity(self.stack_model, cap)
+        reducer = PreLLMReduction(self.stack_model, keep, self.s.stack_scoring)
         report = self.stages.run("eval stacked", lambda: self.evaluated(
             reducer, f"stacked /{t:g}", baseline=True, flops_fn=reduction_flops))
         # Of all the vision tokens: the MoD layers' share of the kept ones, times the kept share.
         report.processed_fraction = {k: v * keep for k, v in report.processed_fraction.items()}
-        self.add_row("stacked", t, f"keep {keep:.3f}, capacity {cap:.3f}", report)
+        behind = f", +{self.s.stack_steps} steps behind it" if self.stack != self.mod else ""
+        self.add_row("stacked", t, f"keep {keep:.3f}, capacity {cap:.3f}{behind}", report)
 
     def evaluate_frames(self, p: dict[str, Any]) -> None:
         """Frame subsampling of the dense model, against the dense model on every frame."""

@@ -15,8 +15,9 @@ target reduction of language-model prefill FLOPs, the MoD capacity, the kept fra
 reduction, the kept fraction and capacity of MoD stacked on it and (video) the number of frames
 that reach it, or that a method cannot (`vlmod.recipes.points`); 5. convert; 6. fine-tune one MoD model with
 its capacity drawn per step from the compute points' capacities (one model, every point),
-distilling the dense model's answer distribution (`vlmod.training.distill`);
-7. evaluate dense, the fine-tuned MoD model at every point, and at the same points: the random
+distilling the dense model's answer distribution (`vlmod.training.distill`), and (`stack_steps`)
+that model on for MoD stacked on pre-LLM reduction: behind the reduction, each step at the kept
+fraction and capacity of one stacked point past `train_up_to`; 7. evaluate dense, the fine-tuned MoD model at every point, and at the same points: the random
 and stride routers on its weights, the training-free attention router on the dense weights,
 pre-LLM reduction and frame subsampling of the dense model, the MoD model stacked on pre-LLM
 reduction, and at the main point the MoD model with the vision tower routed too
@@ -190,7 +191,7 @@ class _Recipe(PointEvaluations):
             batch_size=batch_size or s.batch_size, cache_data=True, seed=s.seed, log_steps=25, warmup=0.05,
             num_frames=s.frames, overwrite=True, **kw,
         )
-        if self.reuse_trained and run in ("mod", "dense-control"):
+        if self.reuse_trained and run in ("mod", "stack", "dense-control"):
             model_dir, self.trained[run] = reusable_finetune(self.out, cfg)
             return model_dir
         return train(cfg, progress=self.progress).model_dir
@@ -337,7 +338,8 @@ class _Recipe(PointEvaluations):
 
     def convert_and_finetune(self) -> None:
         """Convert at the main point, fine-tune one MoD model over the capacities of the points up to
-        `train_up_to` (`trained_capacities`), and (dense_control) the same training on the
+        `train_up_to` (`trained_capacities`), (`stack_steps`) train it on behind the pre-LLM
+        reduction at the stacked points past that, and (dense_control) the MoD stage's training on the
         unconverted dense model."""
         s, stages, result = self.s, self.stages, self.result
         self.converted = self.out / "converted"
@@ -352,9 +354,19 @@ class _Recipe(PointEvaluations):
             self.converted, "mod", router_lr=s.router_lr, capacities=trained_capacities(result.points, s.train_up_to),
             capacity_warmup=s.capacity_warmup, **mod_stage,
         ))
+        # The far points the MoD stage did not train at; trained on these, the stacked model still
+        # matched or beat the MoD model stacked at 1.5x and 3x (docs/results.md).
+        stacked = [p for p in result.points if p.get("stack_keep") is not None and p["target"] > s.train_up_to]
+        self.stack = self.mod
+        if s.stacked and s.stack_steps and stacked:
+            self.stack = stages.run("train stacked", lambda: self.finetune(
+                self.mod, "stack", trainable="language", lr=s.stack_lr, max_steps=s.stack_steps, router_lr=s.router_lr,
+                capacities=[p["stack_capacity"] for p in stacked], reduce_keep=[p["stack_keep"] for p in stacked],
+                reduce_scoring=s.stack_scoring, distill_from=mod_stage["distill_from"],
+            ))
         if s.dense_control:
             control = stages.run(CONTROL_STAGES[0], lambda: self.finetune(self.dense, "dense-control", **mod_stage))
-        for run, stage in (("mod", "train MoD"), ("dense-control", CONTROL_STAGES[0])):
+        for run, stage in (("mod", "train MoD"), ("stack", "train stacked"), ("dense-control", CONTROL_STAGES[0])):
             if run in self.trained:
                 result.stages[stage] = self.trained[run]
                 self.log(f"   {stage}: reused the earlier run's model (trained in {self.trained[run]:.0f} s)")

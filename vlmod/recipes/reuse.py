@@ -22,7 +22,7 @@ REFINE_SETTINGS = ("refine_steps",)
 DENSE_RUN, REFINED_RUN = "dense", "dense-refined"
 # Each training stage of a recipe and the run folder it trains into.
 TRAINING_RUNS = {"train on images": "image", "train dense": DENSE_RUN, "refine dense": REFINED_RUN,
-                 "train MoD": "mod", CONTROL_STAGES[0]: "dense-control"}
+                 "train MoD": "mod", "train stacked": "stack", CONTROL_STAGES[0]: "dense-control"}
 _RUN_PATHS = ("model", "data", "output_dir", "distill_from", "overwrite", "resume")  # follow from --out
 
 
@@ -78,7 +78,9 @@ def _run_of(path: str | None) -> str | None:
 
 def reusable_finetune(out: Path, cfg: Any) -> tuple[Path, float]:
     """(model, training seconds) of an earlier run's fine-tune into `cfg.output_dir`, if it was
-    trained with these settings (`--reuse-trained`): the recipe then only evaluates again."""
+    trained with these settings (`--reuse-trained`): the recipe then only evaluates again. A stage
+    the earlier results do not time (trained by its config YAML, or added to the recipe since)
+    counts its steps' time from its log."""
     run = Path(cfg.output_dir)
     log, results = run / "train_log.json", out / "results.json"
     if not (run / "model" / "model.safetensors").is_file() or not log.is_file() or not results.is_file():
@@ -92,7 +94,10 @@ def reusable_finetune(out: Path, cfg: Any) -> tuple[Path, float]:
     if changed:
         raise InputError(f"--reuse-trained: the {run.name} stage in {out} was trained with other {', '.join(changed)}")
     stage = {r: st for st, r in TRAINING_RUNS.items()}[run.name]
-    return run / "model", json.loads(results.read_text())["stage_seconds"][stage]
+    seconds = json.loads(results.read_text())["stage_seconds"].get(stage)
+    if seconds is None:  # trained with these settings outside the recipe (its config YAML): its steps' time
+        seconds = sum(json.loads(log.read_text()).get("cost", {}).get("step_seconds", []))
+    return run / "model", seconds
 
 
 __all__ = ["CONTROL_STAGES", "DENSE_RUN", "DENSE_SETTINGS", "REFINED_RUN", "REFINE_SETTINGS", "TRAINING_RUNS",

@@ -61,8 +61,10 @@ class TrainConfig:
     reduce_keep / reduce_scoring: train behind a pre-LLM reduction (`vlmod.tools.reduction`): only
         this fraction of each sample's vision tokens enters the language model, ranked by the
         tower's attention ("mean": every query's, the default; "cls": the CLS token's), so a MoD
-        model learns to route what the reduction keeps, as it will run stacked on it. The teacher
-        still sees every token. One process only. None: every vision token enters.
+        model learns to route what the reduction keeps, as it will run stacked on it. A list as
+        long as `capacities` pairs them: each step draws one compute point, the i-th keep with the
+        i-th capacity (one model for every stacked point). The teacher still sees every token.
+        One process only. None: every vision token enters.
     """
 
     model: str
@@ -108,7 +110,7 @@ class TrainConfig:
     capacity_warmup: float = 0.0
     distill_from: str | None = None
     distill_weight: float = 1.0
-    reduce_keep: float | None = None
+    reduce_keep: float | list[float] | None = None
     reduce_scoring: str | None = None
 
     def __post_init__(self) -> None:
@@ -156,8 +158,14 @@ class TrainConfig:
             raise TrainError("resume and overwrite contradict each other: continue the run in output_dir, or delete it")
         if self.router_lr is not None and not self.router_lr > 0:
             raise TrainError(f"router_lr must be > 0, got {self.router_lr}")
-        if self.reduce_keep is not None and (isinstance(self.reduce_keep, bool) or not 0.0 < self.reduce_keep <= 1.0):
-            raise TrainError(f"reduce_keep is the fraction of vision tokens kept, in (0, 1]; got {brief(self.reduce_keep)}")
+        keeps = self.reduce_keep if isinstance(self.reduce_keep, (list, tuple)) else [self.reduce_keep]
+        if self.reduce_keep is not None and (not keeps or any(
+                isinstance(k, bool) or not isinstance(k, (int, float)) or not 0.0 < k <= 1.0 for k in keeps)):
+            raise TrainError(f"reduce_keep is the fraction of vision tokens kept, in (0, 1] (or a list of them); "
+                             f"got {brief(self.reduce_keep)}")
+        if isinstance(self.reduce_keep, (list, tuple)) and len(self.reduce_keep) != len(self.capacities or []):
+            raise TrainError(f"reduce_keep: a list of {len(self.reduce_keep)} keeps pairs each with a capacity; give "
+                             f"`capacities` as long (got {len(self.capacities or [])}), or one keep")
         if self.reduce_scoring not in (None, *REDUCE_SCORINGS):
             raise TrainError(f"reduce_scoring must be one of {', '.join(REDUCE_SCORINGS)}; got {brief(self.reduce_scoring)}")
         if self.reduce_scoring is not None and self.reduce_keep is None:
@@ -206,25 +214,27 @@ class TrainConfig:
 
 
 def _typed(key: str, value: Any, annotation: str) -> Any:
-    """`value` as the type `annotation` names (int, float, bool, str, list, dict; `| None`)."""
+    """`value` as the type `annotation` names (int, float, bool, str, list, dict; a union such as
+    `float | list[float] | None` takes the first that fits)."""
     if value is None and "None" in annotation:
         return None
-    base = annotation.split("|")[0].strip().split("[")[0]
-    try:
-        if base == "float" and not isinstance(value, bool):
-            return float(value)
-        if base == "int" and not isinstance(value, bool) and float(value) == int(float(value)):
-            return int(float(value))
-        if base == "bool" and isinstance(value, bool):
-            return value
-        if base == "str" and isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return str(value)
-        if base == "list" and isinstance(value, (list, tuple, str)):
-            return [value] if isinstance(value, str) else list(value)
-        if base == "dict" and isinstance(value, dict):
-            return value
-    except (TypeError, ValueError):
-        pass
+    for alternative in annotation.split("|"):
+        base = alternative.strip().split("[")[0]
+        try:
+            if base == "float" and not isinstance(value, bool):
+                return float(value)
+            if base == "int" and not isinstance(value, bool) and float(value) == int(float(value)):
+                return int(float(value))
+            if base == "bool" and isinstance(value, bool):
+                return value
+            if base == "str" and isinstance(value, (str, int, float)) and not isinstance(value, bool):
+                return str(value)
+            if base == "list" and isinstance(value, (list, tuple, str)):
+                return [value] if isinstance(value, str) else list(value)
+            if base == "dict" and isinstance(value, dict):
+                return value
+        except (TypeError, ValueError):
+            pass
     raise TrainError(f"{key} must be {annotation.replace(' | None', ' or empty')}, got {brief(value)}")
 
 

@@ -95,12 +95,26 @@ def validation_loss(model: nn.Module, loader: Any, accelerator: Any, compute: An
     return float(total / count.clamp_min(1))
 
 
+def _drawn_point(cfg: TrainConfig, step: int) -> int:
+    """The index into `cfg.capacities` (and a list `cfg.reduce_keep`) that optimizer step `step`
+    trains at: seeded by step, so a resumed run draws the same."""
+    assert cfg.capacities
+    return random.Random(cfg.seed * 1_000_003 + step).randrange(len(cfg.capacities))
+
+
+def step_keep(cfg: TrainConfig, step: int) -> float | None:
+    """The pre-LLM reduction's kept fraction for step `step`: the keep paired with the step's
+    capacity draw where `cfg.reduce_keep` is a list, else None (it stays as set)."""
+    if not isinstance(cfg.reduce_keep, (list, tuple)):
+        return None
+    return float(cfg.reduce_keep[_drawn_point(cfg, step)])
+
+
 def step_capacities(cfg: TrainConfig, converted: dict[str, float], step: int, total_steps: int) -> dict[str, float]:
     """Each MoD part's mean capacity for optimizer step `step` (empty: leave them as they are): the
-    step's draw from `cfg.capacities` (seeded by step, so a resumed run draws the same), raised
-    toward 1.0 during `cfg.capacity_warmup`."""
+    step's draw from `cfg.capacities` (`_drawn_point`), raised toward 1.0 during `cfg.capacity_warmup`."""
     if cfg.capacities:
-        draw = cfg.capacities[random.Random(cfg.seed * 1_000_003 + step).randrange(len(cfg.capacities))]
+        draw = cfg.capacities[_drawn_point(cfg, step)]
         targets = dict.fromkeys(converted, draw)
     elif cfg.capacity_warmup:
         targets = dict(converted)
@@ -270,6 +284,9 @@ def run_steps(run: Run, position: Position, progress: bool = True) -> Steps:
         for batch in epoch_loader:
             for name, capacity in step_capacities(cfg, converted, step, total_steps).items():
                 api.set_capacity(accelerator.unwrap_model(model), capacity, part=name)
+            keep = step_keep(cfg, step)
+            if keep is not None and run.reducer is not None:
+                run.reducer.keep = keep
             loss = _micro_step(run, batch, per_token, tally)
             batch_in_epoch += 1
             tally.loss += loss.detach().float()
@@ -319,6 +336,7 @@ __all__ = [
     "routed_counts",
     "run_steps",
     "step_capacities",
+    "step_keep",
     "takes_loss_kwargs",
     "validation_loss",
 ]
