@@ -105,15 +105,16 @@ class PointEvaluations:
     def evaluate_stacked(self, p: dict[str, Any]) -> None:
         """MoD stacked on pre-LLM reduction: the fine-tuned MoD model (trained on behind the
         reduction where `stack_steps`) behind the reduction (every query's ranking unless
-        `stack_scoring`), at the capacity that reaches the point on the kept tokens; its FLOPs
+        `stack_scoring`), at the capacity that reaches the point on the kept tokens, on every
+        question (ours, as MoD: the paired interval against dense needs them all); its FLOPs
         count each MoD layer on the tokens it ran."""
         if self.skip("stacked", p):
             return
         t, keep, cap = p["target"], p["stack_keep"], p["stack_capacity"]
         set_capacity(self.stack_model, cap)
         reducer = PreLLMReduction(self.stack_model, keep, self.s.stack_scoring)
-        report = self.stages.run("eval stacked", lambda: self.evaluated(
-            reducer, f"stacked /{t:g}", baseline=True, flops_fn=reduction_flops))
+        report = self.stages.run("eval stacked", lambda: self.evaluated(  # ours: every question, as MoD
+            reducer, f"stacked /{t:g}", flops_fn=reduction_flops))
         # Of all the vision tokens: the MoD layers' share of the kept ones, times the kept share.
         report.processed_fraction = {k: v * keep for k, v in report.processed_fraction.items()}
         behind = f", +{self.s.stack_steps} steps behind it" if self.stack != self.mod else ""

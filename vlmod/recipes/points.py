@@ -23,7 +23,8 @@ from vlmod.tools.flops import DecoderDims, language_prefill_flops
 def ceilings(dims: DecoderDims, counts: TokenCounts, layers: Sequence[int], schedule: str | None,
              scoring: float, video: bool, stacked: bool, others: TokenCounts | None = None) -> dict[str, float]:
     """Each method's largest LM prefill FLOPs reduction (`scoring`: the attention router's FLOPs
-    per MoD layer): MoD's on `counts`, the other methods' on `others` (the prompts they answer)."""
+    per MoD layer): MoD's and the stack's on `counts`, the other methods' on `others` (the prompts
+    they answer)."""
     others = others or counts
     mod = frontier.max_reduction(dims, counts, "mod", layers, schedule)
     out = {"learned": mod, "random": mod, "stride": mod,
@@ -31,7 +32,7 @@ def ceilings(dims: DecoderDims, counts: TokenCounts, layers: Sequence[int], sche
            "reduce": frontier.max_reduction(dims, others, "reduce")}
     out["reduce-mean"] = out["reduce"]
     if stacked:
-        out["stacked"] = frontier.max_reduction(dims, others, "stacked", layers, schedule)
+        out["stacked"] = frontier.max_reduction(dims, counts, "stacked", layers, schedule)
     if video:
         out["frames"] = frontier.max_reduction(dims, others, "frames")
     return out
@@ -40,9 +41,9 @@ def ceilings(dims: DecoderDims, counts: TokenCounts, layers: Sequence[int], sche
 def solve_points(dims: DecoderDims, counts: TokenCounts, s: Any, layers: Sequence[int], scoring: float,
                  others: TokenCounts | None = None) -> tuple[list[dict[str, Any]], dict[str, float]]:
     """(compute points, ceilings): per target, each method's knob (None where out of reach) and
-    the reduction the analytic count predicts for it (`predicted`). MoD's capacity is solved on
-    `counts` (the prompts the fine-tuned model answers: every one), the other methods' knobs on
-    `others` (the first `baseline_samples`; the random and stride routers share MoD's capacity)."""
+    the reduction the analytic count predicts for it (`predicted`). MoD's capacity and the stack's
+    knobs are solved on `counts` (the prompts our methods answer: every one), the other methods'
+    on `others` (the first `baseline_samples`; the random and stride routers share MoD's capacity)."""
     video = s.task == "video"
     reach = ceilings(dims, counts, layers, s.schedule, scoring, video, s.stacked, others)
     mod_counts, counts = counts, others or counts
@@ -64,13 +65,14 @@ def solve_points(dims: DecoderDims, counts: TokenCounts, s: Any, layers: Sequenc
             p["keep"] = frontier.solve_keep(dims, counts, t)
             p["predicted"]["reduce"] = dense / frontier.reduce_language_flops(dims, counts, p["keep"])
         if s.stacked:
-            solved = frontier.solve_stacked(dims, counts, t, layers, s.schedule, s.stack_share) if ok["stacked"] else None
+            solved = (frontier.solve_stacked(dims, mod_counts, t, layers, s.schedule, s.stack_share)
+                      if ok["stacked"] else None)
             p["stack_keep"], p["stack_capacity"] = solved or (None, None)
             if solved is None and "stacked" not in p["out_of_reach"]:
                 p["out_of_reach"].append("stacked")
             if solved is not None:
-                p["predicted"]["stacked"] = dense / frontier.stacked_language_flops(dims, counts, *solved, layers,
-                                                                                   s.schedule)
+                p["predicted"]["stacked"] = mod_dense / frontier.stacked_language_flops(dims, mod_counts, *solved,
+                                                                                       layers, s.schedule)
         if video:
             p["frames"] = frontier.solve_frames(dims, counts, t) if ok["frames"] else None
             if p["frames"] is not None:

@@ -408,8 +408,9 @@ def format_results(result: RecipeResult) -> str:
                  f"{[round(r, 3) for r in result.ranks]}")
     dense = result.row("dense")
     if s.baseline_samples and s.baseline_samples < dense["samples"]:
-        lines.append(f"- questions: dense, the control and MoD answered all {dense['samples']} validation "
-                     f"questions, the other methods the first {s.baseline_samples} (each compared with MoD on those)")
+        lines.append(f"- questions: dense, the control, MoD and MoD stacked on the reduction answered all "
+                     f"{dense['samples']} validation questions, the other methods the first {s.baseline_samples} "
+                     "(each compared with ours on those)")
     if result.ceilings:
         lines.append("- the largest LM prefill FLOPs reduction each method can reach here (its knob at one token, "
                      "one kept token, one frame): " + ", ".join(f"{m} {c:.2f}x" for m, c in result.ceilings.items()))
