@@ -246,6 +246,9 @@ def test_keeps_pair_with_capacities(workdir: Path, tmp_path: Path) -> None:
     cfg = _cfg(workdir, tmp_path / "run", max_steps=1, reduce_keep=keeps, capacities=capacities)
     drawn = [(step_keep(cfg, step), step_capacities(cfg, {"language": 0.5}, step, 10)["language"]) for step in range(40)]
     assert {(k, c) for k, c in drawn} == set(zip(keeps, capacities, strict=True))  # paired, and every pair drawn
+    # One keep runs every step; no reduction, no keep.
+    assert step_keep(_cfg(workdir, tmp_path / "one", reduce_keep=0.4), 7) == 0.4
+    assert step_keep(_cfg(workdir, tmp_path / "none"), 7) is None
     model, processor = load_model(cfg)
     ds = vlmod.data.LlavaDataset(cfg.data, processor)
     batch = ds.collate([ds[i] for i in list(Sampler(len(ds), cfg.seed))[: cfg.batch_size]])

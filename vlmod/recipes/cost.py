@@ -66,10 +66,11 @@ class Routing:
         a pre-LLM reduction keeping `keep` of them lets in."""
         caps = layer_capacities(self.capacity if capacity is None else capacity, self.layers, shape.dims.layers,
                                 self.schedule)
-        text, media = shape.tokens - shape.media, shape.media * keep
-        whole = float(shape.media).is_integer()
-        media = max(1, round(media)) if whole else media
-        return {i: text + (capacity_to_k(c, int(media)) if whole else c * media) for i, c in caps.items()}
+        text = shape.tokens - shape.media
+        if float(shape.media).is_integer():  # whole slots, as the reduction keeps and the engine routes them
+            kept = capacity_to_k(keep, int(shape.media))
+            return {i: text + capacity_to_k(c, kept) for i, c in caps.items()}
+        return {i: text + c * shape.media * keep for i, c in caps.items()}
 
 
 def sample_flops(shape: SampleShape, routing: Routing | None = None, capacity: float | None = None,
@@ -130,14 +131,13 @@ def step_draws(cfg: Any, routing: Routing | None, steps: int) -> Counter[tuple[f
     capacity None is the routing's own, keep 1.0 no pre-LLM reduction."""
     from vlmod.training.loop import step_capacities, step_keep
 
-    one_keep = 1.0 if cfg.reduce_keep is None or isinstance(cfg.reduce_keep, (list, tuple)) else cfg.reduce_keep
     draws = []
     for step in range(steps):
         capacity = None
         if routing is not None:
             capacity = step_capacities(cfg, {"language": routing.capacity}, step, steps).get("language")
         keep = step_keep(cfg, step)
-        draws.append((capacity, one_keep if keep is None else keep))
+        draws.append((capacity, 1.0 if keep is None else keep))
     return Counter(draws)
 
 

@@ -104,10 +104,10 @@ def _drawn_point(cfg: TrainConfig, step: int) -> int:
 
 def step_keep(cfg: TrainConfig, step: int) -> float | None:
     """The pre-LLM reduction's kept fraction for step `step`: the keep paired with the step's
-    capacity draw where `cfg.reduce_keep` is a list, else None (it stays as set)."""
-    if not isinstance(cfg.reduce_keep, (list, tuple)):
-        return None
-    return float(cfg.reduce_keep[_drawn_point(cfg, step)])
+    capacity draw where `cfg.reduce_keep` is a list, the one keep otherwise; None: no reduction."""
+    if isinstance(cfg.reduce_keep, (list, tuple)):
+        return float(cfg.reduce_keep[_drawn_point(cfg, step)])
+    return cfg.reduce_keep
 
 
 def step_capacities(cfg: TrainConfig, converted: dict[str, float], step: int, total_steps: int) -> dict[str, float]:
@@ -284,9 +284,8 @@ def run_steps(run: Run, position: Position, progress: bool = True) -> Steps:
         for batch in epoch_loader:
             for name, capacity in step_capacities(cfg, converted, step, total_steps).items():
                 api.set_capacity(accelerator.unwrap_model(model), capacity, part=name)
-            keep = step_keep(cfg, step)
-            if keep is not None and run.reducer is not None:
-                run.reducer.keep = keep
+            if run.reducer is not None:
+                run.reducer.keep = step_keep(cfg, step)
             loss = _micro_step(run, batch, per_token, tally)
             batch_in_epoch += 1
             tally.loss += loss.detach().float()

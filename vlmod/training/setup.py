@@ -360,9 +360,9 @@ def make_reducer(model: nn.Module, cfg: TrainConfig, accelerator: Any) -> nn.Mod
                          "run it without accelerate launch / torchrun")
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     try:
-        # A list of keeps: the loop sets each step's (`step_keep`); the first until then.
-        keep = cfg.reduce_keep[0] if isinstance(cfg.reduce_keep, (list, tuple)) else cfg.reduce_keep
-        return PreLLMReduction(base, keep, cfg.reduce_scoring or "mean")
+        # A list of keeps: the loop sets each step's (`vlmod.training.loop.step_keep`); the first until then.
+        keeps = cfg.reduce_keep if isinstance(cfg.reduce_keep, (list, tuple)) else [cfg.reduce_keep]
+        return PreLLMReduction(base, keeps[0], cfg.reduce_scoring or "mean")
     except ValueError as e:
         raise TrainError(f"reduce_keep: {e}") from None
 
