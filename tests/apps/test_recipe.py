@@ -137,8 +137,8 @@ def test_the_quick_recipes_reach_5x_and_8x_or_say_they_cannot(image_run: tuple, 
     point = next(p for p in video["compute_points"] if p["target"] == 8.0)
     stacked = next(r for r in video["results"] if r["method"] == "stacked" and r["target"] == 8.0)
     steps = video["settings"]["stack_steps"]
-    assert stacked["setting"] == (f"keep {point['stack_keep']:.3f}, capacity {point['stack_capacity']:.3f}, "
-                                  f"+{steps} steps behind it")
+    assert stacked["setting"] == (f"keep {point['stack_keep']:.3f}, capacity {point['stack_capacity']:.3f} "
+                                  f"(share 0.85), +{steps} steps behind it")  # the video default's share at 8x
     assert stacked["samples"] == video["settings"]["num_val"] > video["settings"]["baseline_samples"]  # ours: every one
     # The stack's MoD layers ran a share of what the reduction kept: fewer than the reduction alone.
     alone = next(r for r in video["results"] if r["method"] == "reduce-mean" and r["target"] == 5.0)
@@ -281,6 +281,12 @@ def test_recipe_settings_refuse_bad_values(tmp_path: Path, capsys: pytest.Captur
         RecipeSettings.for_task("video", train_up_to=0.9)
     assert main(["recipe", "--quick", "--out", str(tmp_path / "run"), "--stack-share", "1.5"]) == 2
     assert "stack_share is the pre-LLM reduction's share of a stacked point, in (0, 1), got 1.5" in capsys.readouterr().err
+    for shares, message in [(["8=1.2"], "in (0, 1), got {1.5: 0.5"), (["0.5", "0.6"], "one bare SHARE"),
+                            (["6=0.5"], "names 6x, not among the targets (1.5 2 3 3.5 5 8)")]:
+        assert main(["recipe", "--quick", "--out", str(tmp_path / "run"), "--stack-share", *shares]) == 2
+        assert message in capsys.readouterr().err
+    assert main(["recipe", "--quick", "--out", str(tmp_path / "run"), "--stack-share", "8:0.5"]) == 2
+    assert "expected SHARE or TARGET=SHARE (e.g. 0.5 or 8=0.85), got '8:0.5'" in capsys.readouterr().err
     assert main(["recipe", "--quick", "--out", str(tmp_path / "run"), "--stack-scoring", "max"]) == 2
     assert "stack_scoring must be cls or mean, got 'max'" in capsys.readouterr().err
     assert main(["recipe", "--quick", "--out", str(tmp_path / "run"), "--task", "video", "--video-pool", "mean"]) == 2
@@ -289,6 +295,22 @@ def test_recipe_settings_refuse_bad_values(tmp_path: Path, capsys: pytest.Captur
                           (["--task", "video", "--image-model", str(tmp_path)], "no config.json")]:
         assert main(["recipe", "--quick", "--out", str(tmp_path / "run"), *argv]) == 2
         assert message in capsys.readouterr().err
+
+
+def test_stack_share_is_one_share_or_one_per_target() -> None:
+    """`--stack-share 0.6` (every point), `0.6 8=0.9` (8x at 0.9, the others 0.6), `8=0.9` (the
+    others at the task's default); results.json gives the targets back as strings."""
+    from vlmod.cli.recipe import share_at_target, stack_shares
+
+    video, image = RecipeSettings.for_task("video"), RecipeSettings.for_task("image")
+    assert stack_shares([share_at_target("0.6")], video) == 0.6
+    assert stack_shares([share_at_target("0.6"), share_at_target("8=0.9")], image) == {
+        1.5: 0.6, 2.0: 0.6, 3.0: 0.6, 3.5: 0.6, 5.0: 0.6, 8.0: 0.9}
+    assert stack_shares([share_at_target("5=0.7")], video) == {1.5: 0.5, 2.0: 0.5, 3.0: 0.5, 3.5: 0.5, 5.0: 0.7,
+                                                                8.0: 0.85}
+    saved = json.loads(json.dumps(video.to_dict()))["stack_share"]
+    assert saved == {"8.0": 0.85} and RecipeSettings.for_task("video", stack_share=saved).share_at(8) == 0.85
+    assert image.share_at(8.0) == 0.5
 
 
 @pytest.mark.parametrize(("task", "prefix"), [("image", "synthetic"), ("video", "synthetic-video")])

@@ -382,6 +382,12 @@ def test_the_recipe_solves_every_point_or_says_it_is_out_of_reach() -> None:
         assert all(v >= p["target"] for m, v in p["predicted"].items() if m != "frames")
     eight = points[-1]
     assert {"learned", "random", "stride", "attention"} <= set(eight["out_of_reach"]) and eight["stack_keep"]
+    # Each stacked point solved at its own share: the video default gives the reduction more of 8x.
+    assert s.share_at(5.0) == 0.5 and s.share_at(8.0) == 0.85
+    even, _ = solve_points(dims, TokenCounts(text=12.5, vision=128, frames=8),
+                           RecipeSettings.for_task("video", stack_share=0.5), list(range(1, 8)), 1e5)
+    assert [p["stack_keep"] for p in even[:-1]] == [p["stack_keep"] for p in points[:-1]]
+    assert eight["stack_keep"] < even[-1]["stack_keep"] and eight["stack_capacity"] > even[-1]["stack_capacity"]
 
 
 def test_a_row_counts_the_whole_prefill() -> None:

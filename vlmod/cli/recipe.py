@@ -10,7 +10,7 @@ from typing import Any
 from vlmod.cli.argtypes import int_at_least, non_negative_float, positive_int
 from vlmod.cli.common import SubParsers
 from vlmod.errors import InputError
-from vlmod.recipes.settings import ISOFLOP_DENSE_STEPS, TASKS, RecipeSettings
+from vlmod.recipes.settings import DEFAULT_STACK_SHARE, ISOFLOP_DENSE_STEPS, TASKS, RecipeSettings
 
 _FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("num_train", positive_int, "training images (image task) or clips (video task)"),
@@ -38,8 +38,6 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("mod_layers", str, "converted language layers: 'all' (every layer but 0) or 'arank:N'"),
     ("train_up_to", float, "the MoD fine-tune trains at the capacities of the points up to this LM FLOPs "
                            "reduction (each step draws one); points past it are evaluated on that model"),
-    ("stack_share", float, "MoD stacked on pre-LLM reduction: the reduction's share of each point's LM FLOPs "
-                           "reduction, in log terms (0.5: each does the square root), MoD the rest"),
     ("stack_scoring", str, "MoD stacked on pre-LLM reduction: its ranking, cls or mean (every query's attention)"),
     ("stack_steps", int_at_least(0), "MoD stacked on pre-LLM reduction: steps the MoD model trains on behind the "
                                      "reduction, each at one stacked point's keep and capacity (0: none)"),
@@ -50,6 +48,40 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("schedule", str, "per-layer capacity schedule: none or cosine"),
     ("seed", int, "seed of data, init, training and evaluation"),
 )
+
+
+def share_at_target(text: str) -> tuple[float | None, float]:
+    """An argparse type for `--stack-share`: "0.7" (every point) or "8=0.85" (the point at 8x)."""
+    target, _, share = text.rpartition("=")
+    try:
+        return (float(target) if target else None), float(share)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected SHARE or TARGET=SHARE (e.g. 0.5 or 8=0.85), got {text!r}") from None
+
+
+def _shares(share: float | dict[float, float]) -> str:
+    """A stack_share as `--stack-share` takes it."""
+    if not isinstance(share, dict):
+        return f"{share:g}"
+    return " ".join([f"{DEFAULT_STACK_SHARE:g}"] + [f"{t:g}={s:g}" for t, s in sorted(share.items())
+                                                    if s != DEFAULT_STACK_SHARE])
+
+
+def stack_shares(given: list[tuple[float | None, float]], task_default: RecipeSettings) -> float | dict[float, float]:
+    """`--stack-share` as a setting: one share (bare), or every target's (its own, else the bare
+    one, else the task's default)."""
+    named = {t: s for t, s in given if t is not None}
+    bare = [s for t, s in given if t is None]
+    if len(bare) > 1:
+        raise InputError(f"--stack-share takes one bare SHARE (for every point), got {len(bare)}: name the others' "
+                         "targets as TARGET=SHARE")
+    unknown = sorted(set(named) - set(task_default.targets))
+    if unknown:
+        raise InputError(f"--stack-share names {', '.join(f'{t:g}x' for t in unknown)}, not among the targets "
+                         f"({' '.join(f'{t:g}' for t in task_default.targets)}): name a target or give --targets")
+    if not named:
+        return bare[0]
+    return {t: named.get(t, bare[0] if bare else task_default.share_at(t)) for t in task_default.targets}
 
 
 def add_recipe_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
@@ -77,6 +109,11 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                             help=f"{text} (default: {shown})")
     parser.add_argument("--targets", type=float, nargs="+", default=None,
                         help=f"LM prefill FLOPs reductions to reach (default: {' '.join(map(str, image.targets))})")
+    parser.add_argument("--stack-share", nargs="+", type=share_at_target, default=None, metavar="[TARGET=]SHARE",
+                        help="MoD stacked on pre-LLM reduction: the reduction's share of each point's LM FLOPs "
+                             "reduction, in log terms (0.5: each does the square root), MoD the rest; a bare SHARE "
+                             "for every point, TARGET=SHARE for one (default: image "
+                             f"{_shares(image.stack_share)}, video {_shares(vid.stack_share)})")
     parser.add_argument("--routers", nargs="*", default=None,
                         help=f"baselines at every point (default: {' '.join(image.routers)})")
     parser.add_argument("--image-model", default=None, metavar="DIR",
@@ -144,6 +181,9 @@ def run_recipe_command(args: argparse.Namespace) -> int:
         raise InputError("--isoflop is for --task image (the video recipe's dense model has four stages)")
     if args.isoflop and (args.reuse_trained or args.dense_control):
         raise InputError("--isoflop trains its MoD models from scratch: drop --reuse-trained and --dense-control")
+    if args.stack_share is not None:
+        default = RecipeSettings.for_task(args.task, quick=args.quick, isoflop=args.isoflop, **overrides)
+        overrides["stack_share"] = stack_shares(args.stack_share, default)
     settings = RecipeSettings.for_task(args.task, quick=args.quick, isoflop=args.isoflop, **overrides)
     from vlmod.io.paths import check_output_dir
 
@@ -162,4 +202,4 @@ def run_recipe_command(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["add_recipe_arguments", "add_recipe_parser", "run_recipe_command"]
+__all__ = ["add_recipe_arguments", "add_recipe_parser", "run_recipe_command", "share_at_target", "stack_shares"]

@@ -118,7 +118,7 @@ class PointEvaluations:
         # Of all the vision tokens: the MoD layers' share of the kept ones, times the kept share.
         report.processed_fraction = {k: v * keep for k, v in report.processed_fraction.items()}
         behind = f", +{self.s.stack_steps} steps behind it" if self.stack != self.mod else ""
-        self.add_row("stacked", t, f"keep {keep:.3f}, capacity {cap:.3f}{behind}", report)
+        self.add_row("stacked", t, f"keep {keep:.3f}, capacity {cap:.3f} (share {self.s.share_at(t):g}){behind}", report)
 
     def evaluate_frames(self, p: dict[str, Any]) -> None:
         """Frame subsampling of the dense model, against the dense model on every frame."""

@@ -65,7 +65,7 @@ def solve_points(dims: DecoderDims, counts: TokenCounts, s: Any, layers: Sequenc
             p["keep"] = frontier.solve_keep(dims, counts, t)
             p["predicted"]["reduce"] = dense / frontier.reduce_language_flops(dims, counts, p["keep"])
         if s.stacked:
-            solved = (frontier.solve_stacked(dims, mod_counts, t, layers, s.schedule, s.stack_share)
+            solved = (frontier.solve_stacked(dims, mod_counts, t, layers, s.schedule, s.share_at(t))
                       if ok["stacked"] else None)
             p["stack_keep"], p["stack_capacity"] = solved or (None, None)
             if solved is None and "stacked" not in p["out_of_reach"]:
