@@ -228,9 +228,12 @@ def test_reuse_trained_only_evaluates_again(image_run: tuple, tmp_path: Path) ->
                        reuse_trained=True)
     assert (tmp_path / "run" / "mod" / "train_log.json").read_bytes() == mod_log  # not trained again
     assert again.stages["train MoD"] == result.stages["train MoD"]
-    before = [r for r in json.loads((out / "results.json").read_text())["results"] if r["method"] == "learned"]
-    after = [r for r in json.loads((tmp_path / "run" / "results.json").read_text())["results"] if r["method"] == "learned"]
-    assert [r["correct"] for r in after] == [r["correct"] for r in before]
+    for method in ("learned", "random"):  # the random router too: seeded for each evaluation
+        before = [r for r in json.loads((out / "results.json").read_text())["results"] if r["method"] == method]
+        after = [r for r in json.loads((tmp_path / "run" / "results.json").read_text())["results"]
+                 if r["method"] == method]
+        assert [(r["correct"], r["answer_loss"]) for r in after] == [(r["correct"], r["answer_loss"]) for r in before]
+        assert before
     methods = {r["method"] for r in again.rows}
     assert methods >= {"random", "reduce", "reduce-mean"} and "stride" not in methods
     assert again.stages["train stacked"] == result.stages["train stacked"]

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from vlmod.api import apply_mod, set_capacity, set_router
 from vlmod.config import MoDConfig
 from vlmod.evaluation import frontier
@@ -70,6 +72,9 @@ class PointEvaluations:
                     if router is None:
                         return self.evaluated(mod_model, name)
                     set_router(mod_model, router)
+                    # The random router draws from torch's generator: seeded here, so a rerun
+                    # (--reuse-trained, with no training before it) draws the same tokens.
+                    torch.manual_seed(s.seed)
                     try:
                         return self.evaluated(mod_model, name, baseline=True)
                     finally:
