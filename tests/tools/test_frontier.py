@@ -540,3 +540,15 @@ def test_a_baseline_on_the_first_questions_is_compared_with_mod_on_the_same_ques
     line = verdicts([dense, mod, stacked, reduce])[1]
     assert line.startswith("/8 (8.00x fewer LM FLOPs measured): MoD out of reach; MoD stacked on pre-LLM reduction 75.0%")
     assert line.endswith("beaten by reduce (87.5%)")
+
+
+def test_a_curve_on_the_first_questions_says_so_and_ends_at_dense_on_them() -> None:
+    """The recipe's baselines answer the first N questions: their legend says so and their curve
+    ends at dense on those N, not on every question."""
+    from vlmod.evaluation.frontier import METHOD_LABELS, curve_label
+
+    dense = {"method": "dense", "accuracy": 0.5, "samples": 4, "correct": "1100"}
+    ours = [{"method": "learned", "accuracy": 0.5, "samples": 4, "correct": "1010"}]
+    baseline = [{"method": "random", "accuracy": 0.5, "samples": 2, "correct": "10"}]
+    assert curve_label("learned", ours, dense) == (METHOD_LABELS["learned"], 0.5)
+    assert curve_label("random", baseline, dense) == (f"{METHOD_LABELS['random']} (first 2 questions)", 1.0)

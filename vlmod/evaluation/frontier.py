@@ -369,6 +369,16 @@ def _x(r: Mapping[str, Any], axis: str) -> float:
     return r["gflops"]["language"] if axis == "language" else r["gflops_total"]
 
 
+def curve_label(method: str, points: Sequence[Mapping[str, Any]], dense: Mapping[str, Any]) -> tuple[str, float]:
+    """(legend label, dense accuracy the curve ends at) of a method's rows: a method that answered
+    the first N questions only (the recipe's baselines) says so and ends at dense on those N, so
+    no curve mixes two question sets."""
+    n = min(r.get("samples", dense.get("samples", 0)) for r in points)
+    if n >= dense.get("samples", 0):
+        return METHOD_LABELS[method], dense["accuracy"]
+    return f"{METHOD_LABELS[method]} (first {n} questions)", _accuracy_on(dense, points[0])
+
+
 def plot_frontier(rows: Sequence[Mapping[str, Any]], path: str | Path, title: str) -> None:
     """PNG: accuracy against prefill GFLOPs per sample, one curve per method, in two panels: the
     language model's (what the compute points hold equal) and the whole prefill's (tower,
@@ -389,11 +399,12 @@ def plot_frontier(rows: Sequence[Mapping[str, Any]], path: str | Path, title: st
             points = sorted((r for r in rows if r["method"] == method), key=lambda r: _x(r, axis))
             if not points or method in ("dense", "dense-control"):
                 continue
+            label, end = curve_label(method, points, dense)
             xs = [_x(r, axis) for r in points] + [_x(dense, axis)]
-            ys = [100 * r["accuracy"] for r in points] + [100 * dense["accuracy"]]
+            ys = [100 * r["accuracy"] for r in points] + [100 * end]
             if method == "learned+vision":
                 xs, ys = xs[:-1], ys[:-1]
-            ax.plot(xs, ys, marker=markers[method], label=METHOD_LABELS[method],
+            ax.plot(xs, ys, marker=markers[method], label=label,
                     linewidth=2.2 if method == "learned" else 1.2)
         ax.plot([_x(dense, axis)], [100 * dense["accuracy"]], "k*", markersize=14, label="dense")
         for control in (r for r in rows if r["method"] == "dense-control"):
@@ -415,7 +426,8 @@ def plot_frontier(rows: Sequence[Mapping[str, Any]], path: str | Path, title: st
 
 
 __all__ = [
-    "MIN_FRACTION", "METHOD_LABELS", "REACH_TOLERANCE", "TokenCounts", "format_frontier", "max_reduction",
+    "MIN_FRACTION", "METHOD_LABELS", "REACH_TOLERANCE", "TokenCounts", "curve_label", "format_frontier",
+    "max_reduction",
     "mod_language_flops", "out_of_reach", "paired_gap", "plot_frontier", "reaches", "reduce_language_flops", "row", "solve_capacity",
     "solve_frames", "solve_keep", "solve_stacked", "stacked_language_flops", "verdicts",
 ]
