@@ -4,6 +4,7 @@ tasks' defaults) and the command that checks them and runs the recipe."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -181,10 +182,9 @@ def run_recipe_command(args: argparse.Namespace) -> int:
         raise InputError("--isoflop is for --task image (the video recipe's dense model has four stages)")
     if args.isoflop and (args.reuse_trained or args.dense_control):
         raise InputError("--isoflop trains its MoD models from scratch: drop --reuse-trained and --dense-control")
-    if args.stack_share is not None:
-        default = RecipeSettings.for_task(args.task, quick=args.quick, isoflop=args.isoflop, **overrides)
-        overrides["stack_share"] = stack_shares(args.stack_share, default)
     settings = RecipeSettings.for_task(args.task, quick=args.quick, isoflop=args.isoflop, **overrides)
+    if args.stack_share is not None:  # per target: it needs the targets, so after them (replace checks it again)
+        settings = dataclasses.replace(settings, stack_share=stack_shares(args.stack_share, settings))
     from vlmod.io.paths import check_output_dir
 
     out = check_output_dir(args.out or f"runs/synthetic-{args.task}", "--out")
