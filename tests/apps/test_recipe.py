@@ -14,10 +14,12 @@ from safetensors.torch import load_file
 
 import vlmod
 from vlmod.evaluation.frontier import REACH_TOLERANCE
+from vlmod.recipes.methods import REDUCTION_METHODS
 from vlmod.recipes.recipe import RecipeSettings, run_recipe
 
-METHODS = {"image": {"learned", "random", "stride", "attention", "reduce", "reduce-mean", "stacked"},
-           "video": {"learned", "random", "stride", "attention", "reduce", "reduce-mean", "stacked", "frames"}}
+REDUCTIONS = {"reduce", "reduce-mean", "reduce-deviation"}
+METHODS = {"image": {"learned", "random", "stride", "attention", *REDUCTIONS, "stacked"},
+           "video": {"learned", "random", "stride", "attention", *REDUCTIONS, "stacked", "frames"}}
 
 
 @pytest.fixture(scope="module")
@@ -137,14 +139,16 @@ def test_the_quick_recipes_reach_5x_and_8x_or_say_they_cannot(image_run: tuple, 
     point = next(p for p in video["compute_points"] if p["target"] == 8.0)
     stacked = next(r for r in video["results"] if r["method"] == "stacked" and r["target"] == 8.0)
     steps = video["settings"]["stack_steps"]
-    assert stacked["setting"] == (f"keep {point['stack_keep']:.3f}, capacity {point['stack_capacity']:.3f} "
+    scoring = video["settings"]["stack_scoring"]
+    assert stacked["setting"] == (f"keep {point['stack_keep']:.3f} by {scoring}, capacity {point['stack_capacity']:.3f} "
                                   f"(share 0.85), +{steps} steps behind it")  # the video default's share at 8x
     assert stacked["samples"] == video["settings"]["num_val"] > video["settings"]["baseline_samples"]  # ours: every one
     # The stack's MoD layers ran a share of what the reduction kept: fewer than the reduction alone.
-    alone = next(r for r in video["results"] if r["method"] == "reduce-mean" and r["target"] == 5.0)
+    alone = next(r for r in video["results"] if r["method"] == REDUCTION_METHODS[scoring] and r["target"] == 5.0)
     stack5 = next(r for r in video["results"] if r["method"] == "stacked" and r["target"] == 5.0)
     assert stack5["vision_tokens_run"] < next(p for p in video["compute_points"] if p["target"] == 5.0)["stack_keep"]
-    assert alone["gflops"]["vision"] == pytest.approx(stack5["gflops"]["vision"])  # the same tower and scoring
+    # The same tower and scoring; the baseline also merges its contextual tokens.
+    assert stack5["gflops"]["vision"] < alone["gflops"]["vision"] == pytest.approx(stack5["gflops"]["vision"], rel=0.01)
 
 
 def test_the_demo_model_installs_from_a_recipe_run(image_run: tuple) -> None:
@@ -252,7 +256,7 @@ def test_reuse_trained_only_evaluates_again(image_run: tuple, tmp_path: Path) ->
         run_recipe(tmp_path / "run", settings, progress=False, log=lambda _: None, reuse_trained=True)
 
 
-def test_the_mod_stage_trains_the_points_up_to_train_up_to(video_run: tuple) -> None:
+def test_the_mod_stage_trains_the_points_up_to_train_up_to(image_run: tuple, video_run: tuple) -> None:
     """The fine-tune draws the capacities of the points up to 3.5x (those of the published video
     run); the 5x point is evaluated on that model."""
     from vlmod.recipes.recipe import trained_capacities
@@ -270,6 +274,12 @@ def test_the_mod_stage_trains_the_points_up_to_train_up_to(video_run: tuple) -> 
     assert stack["model"] == str(out / "mod" / "model") and [p["target"] for p in stacked] == [5.0, 8.0]
     assert stack["reduce_keep"] == [p["stack_keep"] for p in stacked]
     assert stack["capacities"] == [p["stack_capacity"] for p in stacked]
+    assert stack["reduce_scoring"] == "deviation"  # the default ranking
+    # Images' stacked stage draws every stacked point (`stack_train_from` 1.0).
+    image_out, _ = image_run
+    points = [p for p in json.loads((image_out / "results.json").read_text())["compute_points"] if p["stack_keep"]]
+    stack = json.loads((image_out / "stack" / "train_log.json").read_text())["config"]
+    assert len(points) > 1 and stack["reduce_keep"] == [p["stack_keep"] for p in points]
 
 
 def test_recipe_settings_refuse_bad_values(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -291,7 +301,11 @@ def test_recipe_settings_refuse_bad_values(tmp_path: Path, capsys: pytest.Captur
     assert main(["recipe", "--quick", "--out", str(tmp_path / "run"), "--stack-share", "8:0.5"]) == 2
     assert "expected SHARE or TARGET=SHARE (e.g. 0.5 or 8=0.85), got '8:0.5'" in capsys.readouterr().err
     assert main(["recipe", "--quick", "--out", str(tmp_path / "run"), "--stack-scoring", "max"]) == 2
-    assert "stack_scoring must be cls or mean, got 'max'" in capsys.readouterr().err
+    assert "stack_scoring must be one of cls, mean, deviation, got 'max'" in capsys.readouterr().err
+    assert main(["recipe", "--quick", "--out", str(tmp_path / "run"), "--reduce-contextual", "1"]) == 2
+    assert "reduce_contextual is the share of the kept slots that are merged, in [0, 1), got 1.0" in capsys.readouterr().err
+    assert main(["recipe", "--quick", "--out", str(tmp_path / "run"), "--stack-train-from", "0.5"]) == 2
+    assert "stack_train_from is an LM FLOPs reduction >= 1 (1: every stacked point), got 0.5" in capsys.readouterr().err
     assert main(["recipe", "--quick", "--out", str(tmp_path / "run"), "--task", "video", "--video-pool", "mean"]) == 2
     assert "video_pool must be one of average, max, conv, got 'mean'" in capsys.readouterr().err
     for argv, message in [(["--task", "image", "--image-model", str(tmp_path)], "for --task video"),
@@ -385,7 +399,9 @@ def test_each_training_stage_reports_its_step_time_flops_and_tokens(image_run: t
         assert dense["training_flops"] == pytest.approx(dense["dense_flops"])
         # Behind the reduction the language model trains on fewer tokens still (the teacher on all).
         stack = saved["train stacked"]
-        assert stack["mod"] and stack["training_flops"] / stack["dense_flops"] < mod["training_flops"] / mod["dense_flops"]
+        # (Video's at its far points: fewer than the MoD stage's; images' draws every point, 1.5x's too.)
+        bound = mod["training_flops"] / mod["dense_flops"] if out == video_run[0] else 1.0
+        assert stack["mod"] and stack["training_flops"] / stack["dense_flops"] < bound
         assert "FLOPs against the same steps dense" in (out / "results.md").read_text()
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import vlmod
 from vlmod.data import LlavaDataset, collate
@@ -28,7 +29,13 @@ from vlmod.evaluation.frontier import (
     stacked_language_flops,
 )
 from vlmod.models import tiny
-from vlmod.tools.flops import DecoderDims, hf_vision_dims, language_prefill_flops, vit_flops
+from vlmod.tools.flops import (
+    DecoderDims,
+    frame_pooling_flops,
+    hf_vision_dims,
+    language_prefill_flops,
+    vit_flops,
+)
 from vlmod.tools.reduction import PreLLMReduction, reduction_flops
 
 FRAMES = 4
@@ -242,8 +249,81 @@ def test_reduction_scores_are_the_towers_own_attention(scoring: str) -> None:
     width, n = dims.heads * dims.head_dim, dims.num_tokens
     queries = 1 if scoring == "cls" else n
     assert extra == pytest.approx(2 * queries * dims.dim * width + 2 * n * dims.dim * width + 2 * queries * n * width)
-    with pytest.raises(ValueError, match="scoring must be one of cls, mean"):
+    with pytest.raises(ValueError, match="scoring must be one of cls, mean, deviation"):
         PreLLMReduction(model, 0.5, "max")
+
+
+def test_reduction_by_deviation_keeps_what_stands_out_of_its_frame(model_and_processor: tuple, batch: dict) -> None:
+    """`deviation` ranks each frame's (pooled) features by their distance from that frame's mean
+    feature, reads no attention, and counts four passes over the features instead of the scoring."""
+    model, _ = model_and_processor
+    reducer = PreLLMReduction(model, 0.25, "deviation")
+    with torch.no_grad():
+        features, scores, _ = reducer._media(batch)
+        reduced = reducer.reduce(batch)
+    frames = features.view(3 * FRAMES, TOKENS_PER_FRAME, -1)
+    expected = (frames - frames.mean(1, keepdim=True)).norm(dim=-1)
+    assert torch.allclose(scores.view(3 * FRAMES, -1), expected, atol=1e-5)
+    video = batch["input_ids"] == model.config.video_token_id
+    first_video, mask = video.float().argmax(1), reduced["attention_mask"].bool()
+    top = scores.view(3, -1).topk(math.ceil(0.25 * FRAMES * TOKENS_PER_FRAME), dim=1).indices.sort(dim=1).values
+    for row in range(3):
+        index = reduced["index"][row]
+        assert torch.equal(index[mask[row] & video[row].gather(0, index)] - first_video[row], top[row])
+    dim = model.config.text_config.hidden_size
+    attention = reduction_flops(PreLLMReduction(model, 0.25, "mean"), batch)
+    counted = reduction_flops(reducer, batch)
+    assert counted["language"] == attention["language"]
+    tower = vit_flops(hf_vision_dims(model.config.vision_config)) * FRAMES + frame_pooling_flops(model, batch) / 3
+    assert counted["vision"] == pytest.approx(tower + 4 * dim * FRAMES * TOKENS_PER_FRAME)
+
+
+def test_reduction_contextual_tokens_merge_what_the_ranking_drops(model_and_processor: tuple, batch: dict) -> None:
+    """VisionZip's contextual tokens: the budget is the same; the best scored tokens but c are
+    kept as they are, and c more carry the mean feature of a group of the dropped ones, each
+    dropped token in exactly one group."""
+    model, _ = model_and_processor
+    keep, contextual = 0.3, 0.25
+    plain, merging = PreLLMReduction(model, keep), PreLLMReduction(model, keep, contextual=contextual)
+    video = batch["input_ids"] == model.config.video_token_id
+    k = math.ceil(keep * 64)
+    context = math.floor(k * contextual + 0.5)
+    with torch.no_grad():
+        reduced = merging.reduce(batch)
+        features, scores, _ = merging._media(batch)
+    assert torch.equal(reduced["attention_mask"].sum(1), plain.reduce(batch)["attention_mask"].sum(1))
+    features, scores = features.view(3, 64, -1), scores.view(3, 64)
+    first_video = video.float().argmax(1)
+    mask = reduced["attention_mask"].bool()
+    for row in range(3):
+        kept = reduced["index"][row][mask[row] & video[row].gather(0, reduced["index"][row])] - first_video[row]
+        embeds = reduced["inputs_embeds"][row][mask[row] & video[row].gather(0, reduced["index"][row])]
+        dominant = set(scores[row].topk(k - context).indices.tolist())
+        assert dominant <= set(kept.tolist()) and len(kept) == k
+        for position, embed in zip(kept.tolist(), embeds, strict=True):
+            if position in dominant:
+                assert torch.allclose(embed, features[row, position])
+        targets = [i for i, p in enumerate(kept.tolist()) if p not in dominant]
+        assert len(targets) == context
+        # Each target's feature is a mean of dropped features: it lies in their span, and the
+        # group sizes add up to every non-dominant token.
+        rest = torch.tensor([i for i in range(64) if i not in dominant])
+        centres = F.normalize(features[row, kept[targets]], dim=-1)
+        groups = (F.normalize(features[row, rest], dim=-1) @ centres.T).argmax(1)
+        groups[torch.isin(rest, kept[targets])] = torch.arange(context)
+        for g, target in enumerate(targets):
+            assert torch.allclose(embeds[target], features[row, rest[groups == g]].mean(0), atol=1e-5)
+    with pytest.raises(ValueError, match="contextual must be in"):
+        PreLLMReduction(model, keep, contextual=1.0)
+
+
+def test_reduction_flops_count_the_contextual_similarities(model_and_processor: tuple, batch: dict) -> None:
+    model, _ = model_and_processor
+    plain, merging = reduction_flops(PreLLMReduction(model, 0.25), batch), reduction_flops(
+        PreLLMReduction(model, 0.25, contextual=0.25), batch)
+    assert merging["language"] == plain["language"]  # the same kept tokens
+    dim = model.config.text_config.hidden_size
+    assert merging["vision"] - plain["vision"] == pytest.approx(2 * dim * (64 - 12) * 4)
 
 
 def test_reduction_refuses_what_it_cannot_rank() -> None:

@@ -267,6 +267,7 @@ def test_keeps_pair_with_capacities(workdir: Path, tmp_path: Path) -> None:
         ({"reduce_keep": [0.5, 0.4], "capacities": [0.5]}, "pairs each with a capacity"),
         ({"reduce_keep": [0.5, 0.4]}, "pairs each with a capacity"),
         ({"reduce_keep": 0.5, "reduce_scoring": "max"}, "reduce_scoring must be one of"),
+        ({"reduce_keep": 0.5, "reduce_contextual": 1.0}, "reduce_contextual is the share of the kept slots"),
         ({"reduce_scoring": "cls"}, "reduce_keep is not"),
     ],
 )

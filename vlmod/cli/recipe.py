@@ -39,10 +39,15 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("mod_layers", str, "converted language layers: 'all' (every layer but 0) or 'arank:N'"),
     ("train_up_to", float, "the MoD fine-tune trains at the capacities of the points up to this LM FLOPs "
                            "reduction (each step draws one); points past it are evaluated on that model"),
-    ("stack_scoring", str, "MoD stacked on pre-LLM reduction: its ranking, cls or mean (every query's attention)"),
+    ("stack_scoring", str, "MoD stacked on pre-LLM reduction: its ranking, cls, mean (every query's attention) or "
+                           "deviation (each feature's distance from its frame's mean)"),
+    ("reduce_contextual", non_negative_float, "the pre-LLM reduction baselines: the share of their kept tokens that "
+                                              "are VisionZip's contextual tokens (the dropped ones merged)"),
     ("stack_steps", int_at_least(0), "MoD stacked on pre-LLM reduction: steps the MoD model trains on behind the "
                                      "reduction, each at one stacked point's keep and capacity (0: none)"),
     ("stack_lr", float, "learning rate of that stage"),
+    ("stack_train_from", float, "that stage draws the stacked points past this LM FLOPs reduction (1: every one; None: "
+                                "past --train-up-to)"),
     ("image_size", positive_int, "image / frame side in pixels (vision tokens: (side / patch)^2 an image, a "
                                  "quarter of that a frame)"),
     ("patch_size", positive_int, "vision tower patch side in pixels"),

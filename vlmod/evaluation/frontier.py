@@ -40,10 +40,11 @@ METHOD_LABELS = {
     "attention": "dense weights, attention router (training-free, FastV-like)",
     "reduce": "pre-LLM reduction, CLS attention (VisionZip-like, training-free)",
     "reduce-mean": "pre-LLM reduction, every query's attention (VisionZip without a CLS)",
+    "reduce-deviation": "pre-LLM reduction, features' deviation from their frame (training-free)",
     "frames": "frame subsampling (dense)",
     "learned+vision": "MoD learned + vision tower MoD (attention router)",
     "dense-control": "dense, fine-tuned again as the MoD stage (control)",
-    "stacked": "MoD learned on pre-LLM reduction (every query's attention), stacked",
+    "stacked": "MoD learned on pre-LLM reduction, stacked",
 }
 # A point is within a method's reach if its largest reduction is at least (1 - this) x the target.
 REACH_TOLERANCE = 0.03
@@ -392,7 +393,7 @@ def plot_frontier(rows: Sequence[Mapping[str, Any]], path: str | Path, title: st
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), dpi=120, sharey=True)
     dense = next(r for r in rows if r["method"] == "dense")
-    markers = dict(zip(METHOD_LABELS, "*os^vDdPXh<", strict=True))
+    markers = dict(zip(METHOD_LABELS, "*os^vDdpPXh<", strict=True))
     for ax, axis, xlabel in ((axes[0], "language", "language-model prefill GFLOPs per sample"),
                              (axes[1], "total", "total prefill GFLOPs per sample (tower + projector + LM)")):
         for method in METHOD_LABELS:

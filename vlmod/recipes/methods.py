@@ -2,9 +2,9 @@
 
 At each point (`vlmod.recipes.points`): the fine-tuned MoD model, the random and stride routers
 on its weights, the training-free attention router on the dense weights, pre-LLM reduction of
-the dense model (both rankings), MoD stacked on pre-LLM reduction (the MoD model behind a
-`PreLLMReduction`, its capacity a share of the kept tokens), frame subsampling (video); at the
-main point also the MoD model with its vision tower routed. A method that cannot reach a point
+the dense model (each ranking, with VisionZip's contextual tokens), MoD stacked on pre-LLM
+reduction (the MoD model behind a `PreLLMReduction`, its capacity a share of the kept tokens),
+frame subsampling (video); at the main point also the MoD model with its vision tower routed. A method that cannot reach a point
 gets an out-of-reach record instead of a row. Every row counts the whole prefill: the report's
 tower and language model plus the projector on the vision tokens the method fed it.
 """
@@ -21,6 +21,9 @@ from vlmod.evaluation import frontier
 from vlmod.io.hf import load_pretrained
 from vlmod.recipes.points import reachable
 from vlmod.tools.reduction import SCORINGS, PreLLMReduction, reduction_flops
+
+# The baseline row of each ranking of the pre-LLM reduction (`vlmod.tools.reduction.SCORINGS`).
+REDUCTION_METHODS = {"cls": "reduce", "mean": "reduce-mean", "deviation": "reduce-deviation"}
 
 
 class PointEvaluations:
@@ -94,25 +97,28 @@ class PointEvaluations:
                 self.evaluate_frames(p)
 
     def evaluate_reduction(self, p: dict[str, Any]) -> None:
-        """Pre-LLM reduction with both of VisionZip's rankings: these towers are trained from scratch
-        under LLaVA, which reads only the patches, so nothing trains their CLS; which ranking is the
-        stronger varies by model."""
+        """Pre-LLM reduction with each ranking (VisionZip's two, and the features' deviation from
+        their frame's mean): these towers are trained from scratch under LLaVA, which reads only
+        the patches, so nothing trains their CLS; which ranking is the stronger varies by model.
+        A `reduce_contextual` share of the kept slots are VisionZip's contextual tokens."""
         t = p["target"]
-        for rank_by, method in zip(SCORINGS, ("reduce", "reduce-mean"), strict=True):
+        for rank_by in SCORINGS:
+            method = REDUCTION_METHODS[rank_by]
             if self.skip(method, p):
                 continue
-            reducer = PreLLMReduction(self.dense_model, p["keep"], rank_by)
+            reducer = PreLLMReduction(self.dense_model, p["keep"], rank_by, self.s.reduce_contextual)
             report = self.stages.run("eval reduce", lambda r=reducer, n=f"{method} /{t:g}": self.evaluated(
                 r, n, baseline=True, flops_fn=reduction_flops))
             report.processed_fraction = {"kept": p["keep"]}
-            self.add_row(method, t, f"keep {p['keep']:.3f}", report)
+            contextual = f" ({self.s.reduce_contextual:g} contextual)" if self.s.reduce_contextual else ""
+            self.add_row(method, t, f"keep {p['keep']:.3f}{contextual}", report)
 
     def evaluate_stacked(self, p: dict[str, Any]) -> None:
         """MoD stacked on pre-LLM reduction: the fine-tuned MoD model (trained on behind the
-        reduction where `stack_steps`) behind the reduction (every query's ranking unless
-        `stack_scoring`), at the capacity that reaches the point on the kept tokens, on every
-        question (ours, as MoD: the paired interval against dense needs them all); its FLOPs
-        count each MoD layer on the tokens it ran."""
+        reduction where `stack_steps`) behind the reduction (ranked by `stack_scoring`), at the
+        capacity that reaches the point on the kept tokens, on every question (ours, as MoD: the
+        paired interval against dense needs them all); its FLOPs count each MoD layer on the
+        tokens it ran."""
         if self.skip("stacked", p):
             return
         t, keep, cap = p["target"], p["stack_keep"], p["stack_capacity"]
@@ -123,7 +129,8 @@ class PointEvaluations:
         # Of all the vision tokens: the MoD layers' share of the kept ones, times the kept share.
         report.processed_fraction = {k: v * keep for k, v in report.processed_fraction.items()}
         behind = f", +{self.s.stack_steps} steps behind it" if self.stack != self.mod else ""
-        self.add_row("stacked", t, f"keep {keep:.3f}, capacity {cap:.3f} (share {self.s.share_at(t):g}){behind}", report)
+        self.add_row("stacked", t, f"keep {keep:.3f} by {self.s.stack_scoring}, capacity {cap:.3f} "
+                                   f"(share {self.s.share_at(t):g}){behind}", report)
 
     def evaluate_frames(self, p: dict[str, Any]) -> None:
         """Frame subsampling of the dense model, against the dense model on every frame."""

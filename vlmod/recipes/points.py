@@ -30,7 +30,7 @@ def ceilings(dims: DecoderDims, counts: TokenCounts, layers: Sequence[int], sche
     out = {"learned": mod, "random": mod, "stride": mod,
            "attention": frontier.max_reduction(dims, others, "mod", layers, schedule, scoring),
            "reduce": frontier.max_reduction(dims, others, "reduce")}
-    out["reduce-mean"] = out["reduce"]
+    out["reduce-mean"] = out["reduce-deviation"] = out["reduce"]
     if stacked:
         out["stacked"] = frontier.max_reduction(dims, counts, "stacked", layers, schedule)
     if video:

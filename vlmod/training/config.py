@@ -65,6 +65,8 @@ class TrainConfig:
         long as `capacities` pairs them: each step draws one compute point, the i-th keep with the
         i-th capacity (one model for every stacked point). The teacher still sees every token.
         One process only. None: every vision token enters.
+    reduce_contextual: the share of the kept slots that carry VisionZip's contextual tokens (the
+        dropped tokens merged by similarity) behind that reduction; 0: the best ranked tokens only.
     """
 
     model: str
@@ -112,6 +114,7 @@ class TrainConfig:
     distill_weight: float = 1.0
     reduce_keep: float | list[float] | None = None
     reduce_scoring: str | None = None
+    reduce_contextual: float = 0.0
 
     def __post_init__(self) -> None:
         choices = {
@@ -168,6 +171,9 @@ class TrainConfig:
                              f"`capacities` as long (got {len(self.capacities or [])}), or one keep")
         if self.reduce_scoring not in (None, *REDUCE_SCORINGS):
             raise TrainError(f"reduce_scoring must be one of {', '.join(REDUCE_SCORINGS)}; got {brief(self.reduce_scoring)}")
+        if not 0.0 <= self.reduce_contextual < 1.0:
+            raise TrainError(f"reduce_contextual is the share of the kept slots that are merged, in [0, 1); "
+                             f"got {brief(self.reduce_contextual)}")
         if self.reduce_scoring is not None and self.reduce_keep is None:
             raise TrainError("reduce_scoring is set but reduce_keep is not: give the fraction of vision tokens to keep")
         if self.mod is not None:
