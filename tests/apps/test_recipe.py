@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 import vlmod
 from vlmod.evaluation.frontier import REACH_TOLERANCE
-from vlmod.recipes.methods import REDUCTION_METHODS
+from vlmod.recipes.points import REDUCTION_METHODS
 from vlmod.recipes.recipe import RecipeSettings, run_recipe
 
 REDUCTIONS = {"reduce", "reduce-mean", "reduce-deviation"}

@@ -19,11 +19,8 @@ from vlmod.api import apply_mod, set_capacity, set_router
 from vlmod.config import MoDConfig
 from vlmod.evaluation import frontier
 from vlmod.io.hf import load_pretrained
-from vlmod.recipes.points import reachable
+from vlmod.recipes.points import REDUCTION_METHODS, reachable
 from vlmod.tools.reduction import SCORINGS, PreLLMReduction, reduction_flops
-
-# The baseline row of each ranking of the pre-LLM reduction (`vlmod.tools.reduction.SCORINGS`).
-REDUCTION_METHODS = {"cls": "reduce", "mean": "reduce-mean", "deviation": "reduce-deviation"}
 
 
 class PointEvaluations:

@@ -19,6 +19,10 @@ from vlmod.evaluation import frontier
 from vlmod.evaluation.frontier import TokenCounts
 from vlmod.tools.flops import DecoderDims, language_prefill_flops
 
+# The baseline row of each ranking of the pre-LLM reduction (`vlmod.tools.reduction.SCORINGS`):
+# one knob (the kept fraction), so one reach.
+REDUCTION_METHODS = {"cls": "reduce", "mean": "reduce-mean", "deviation": "reduce-deviation"}
+
 
 def ceilings(dims: DecoderDims, counts: TokenCounts, layers: Sequence[int], schedule: str | None,
              scoring: float, video: bool, stacked: bool, others: TokenCounts | None = None) -> dict[str, float]:
@@ -28,9 +32,8 @@ def ceilings(dims: DecoderDims, counts: TokenCounts, layers: Sequence[int], sche
     others = others or counts
     mod = frontier.max_reduction(dims, counts, "mod", layers, schedule)
     out = {"learned": mod, "random": mod, "stride": mod,
-           "attention": frontier.max_reduction(dims, others, "mod", layers, schedule, scoring),
-           "reduce": frontier.max_reduction(dims, others, "reduce")}
-    out["reduce-mean"] = out["reduce-deviation"] = out["reduce"]
+           "attention": frontier.max_reduction(dims, others, "mod", layers, schedule, scoring)}
+    out.update(dict.fromkeys(REDUCTION_METHODS.values(), frontier.max_reduction(dims, others, "reduce")))
     if stacked:
         out["stacked"] = frontier.max_reduction(dims, counts, "stacked", layers, schedule)
     if video:
@@ -86,4 +89,4 @@ def reachable(point: dict[str, Any], method: str) -> bool:
     return method not in point["out_of_reach"]
 
 
-__all__ = ["ceilings", "reachable", "solve_points"]
+__all__ = ["REDUCTION_METHODS", "ceilings", "reachable", "solve_points"]
