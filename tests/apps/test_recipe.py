@@ -19,7 +19,7 @@ from vlmod.recipes.recipe import RecipeSettings, run_recipe
 
 REDUCTIONS = {"reduce", "reduce-mean", "reduce-deviation"}
 METHODS = {"image": {"learned", "random", "stride", "attention", *REDUCTIONS, "stacked"},
-           "video": {"learned", "random", "stride", "attention", *REDUCTIONS, "stacked", "frames"}}
+           "video": {"learned", "random", "stride", "attention", *REDUCTIONS, "reduce-novelty", "stacked", "frames"}}
 
 
 @pytest.fixture(scope="module")
@@ -268,13 +268,13 @@ def test_the_mod_stage_trains_the_points_up_to_train_up_to(image_run: tuple, vid
     assert any(p["target"] == 5.0 and p["capacity"] is not None for p in points)
     assert trained_capacities(points, 1.2) == [points[0]["capacity"]]  # below every point: the lowest one's
     # The stacked stage goes on from that model, each step at the keep and capacity of one stacked
-    # point past 3.5x (5x and 8x).
+    # point past 3.5x (5x and 8x), solved at the training split: 5x's at 0.5, 8x's as it runs (0.85).
     stack = json.loads((out / "stack" / "train_log.json").read_text())["config"]
     stacked = [p for p in points if p["stack_keep"] is not None and p["target"] > 3.5]
     assert stack["model"] == str(out / "mod" / "model") and [p["target"] for p in stacked] == [5.0, 8.0]
-    assert stack["reduce_keep"] == [p["stack_keep"] for p in stacked]
-    assert stack["capacities"] == [p["stack_capacity"] for p in stacked]
-    assert stack["reduce_scoring"] == "deviation"  # the default ranking
+    assert (stack["reduce_keep"][1], stack["capacities"][1]) == (stacked[1]["stack_keep"], stacked[1]["stack_capacity"])
+    assert stack["reduce_keep"][0] > stacked[0]["stack_keep"] and stack["capacities"][0] < stacked[0]["stack_capacity"]
+    assert stack["reduce_scoring"] == "novelty"  # video's default ranking
     # Images' stacked stage draws every stacked point (`stack_train_from` 1.0).
     image_out, _ = image_run
     points = [p for p in json.loads((image_out / "results.json").read_text())["compute_points"] if p["stack_keep"]]
@@ -301,7 +301,7 @@ def test_recipe_settings_refuse_bad_values(tmp_path: Path, capsys: pytest.Captur
     assert main(["recipe", "--quick", "--out", str(tmp_path / "run"), "--stack-share", "8:0.5"]) == 2
     assert "expected SHARE or TARGET=SHARE (e.g. 0.5 or 8=0.85), got '8:0.5'" in capsys.readouterr().err
     assert main(["recipe", "--quick", "--out", str(tmp_path / "run"), "--stack-scoring", "max"]) == 2
-    assert "stack_scoring must be one of cls, mean, deviation, got 'max'" in capsys.readouterr().err
+    assert "stack_scoring must be one of cls, mean, deviation, novelty, got 'max'" in capsys.readouterr().err
     assert main(["recipe", "--quick", "--out", str(tmp_path / "run"), "--reduce-contextual", "1"]) == 2
     assert "reduce_contextual is the share of the kept slots that are merged, in [0, 1), got 1.0" in capsys.readouterr().err
     assert main(["recipe", "--quick", "--out", str(tmp_path / "run"), "--stack-train-from", "0.5"]) == 2
@@ -323,11 +323,18 @@ def test_stack_share_is_one_share_or_one_per_target() -> None:
     assert stack_shares([share_at_target("0.6")], video) == 0.6
     assert stack_shares([share_at_target("0.6"), share_at_target("8=0.9")], image) == {
         1.5: 0.6, 2.0: 0.6, 3.0: 0.6, 3.5: 0.6, 5.0: 0.6, 8.0: 0.9}
-    assert stack_shares([share_at_target("5=0.7")], video) == {1.5: 0.5, 2.0: 0.5, 3.0: 0.5, 3.5: 0.5, 5.0: 0.7,
+    assert stack_shares([share_at_target("5=0.7")], video) == {1.5: 0.85, 2.0: 0.85, 3.0: 0.85, 3.5: 0.85, 5.0: 0.7,
                                                                 8.0: 0.85}
-    saved = json.loads(json.dumps(video.to_dict()))["stack_share"]
-    assert saved == {"8.0": 0.85} and RecipeSettings.for_task("video", stack_share=saved).share_at(8) == 0.85
-    assert image.share_at(8.0) == 0.5
+    assert stack_shares([share_at_target("5=0.7")], image) == {1.5: 0.5, 2.0: 0.5, 3.0: 0.5, 3.5: 0.5, 5.0: 0.7,
+                                                                8.0: 0.5}
+    per_target = RecipeSettings.for_task("image", stack_share={8.0: 0.85})
+    saved = json.loads(json.dumps(per_target.to_dict()))["stack_share"]
+    assert saved == {"8.0": 0.85} and RecipeSettings.for_task("image", stack_share=saved).share_at(8) == 0.85
+    assert image.share_at(8.0) == 0.5 and video.share_at(1.5) == video.share_at(8.0) == 0.85
+    # --stack-train-share: the same, its unnamed targets at the task's training split.
+    assert stack_shares([share_at_target("5=0.7")], video, training=True) == {
+        1.5: 0.5, 2.0: 0.5, 3.0: 0.5, 3.5: 0.5, 5.0: 0.7, 8.0: 0.85}
+    assert video.share_at(5.0, training=True) == 0.5 and image.share_at(5.0, training=True) == image.share_at(5.0)
 
 
 @pytest.mark.parametrize(("task", "prefix"), [("image", "synthetic"), ("video", "synthetic-video")])

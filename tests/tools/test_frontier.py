@@ -249,7 +249,7 @@ def test_reduction_scores_are_the_towers_own_attention(scoring: str) -> None:
     width, n = dims.heads * dims.head_dim, dims.num_tokens
     queries = 1 if scoring == "cls" else n
     assert extra == pytest.approx(2 * queries * dims.dim * width + 2 * n * dims.dim * width + 2 * queries * n * width)
-    with pytest.raises(ValueError, match="scoring must be one of cls, mean, deviation"):
+    with pytest.raises(ValueError, match="scoring must be one of cls, mean, deviation, novelty"):
         PreLLMReduction(model, 0.5, "max")
 
 
@@ -276,6 +276,52 @@ def test_reduction_by_deviation_keeps_what_stands_out_of_its_frame(model_and_pro
     assert counted["language"] == attention["language"]
     tower = vit_flops(hf_vision_dims(model.config.vision_config)) * FRAMES + frame_pooling_flops(model, batch) / 3
     assert counted["vision"] == pytest.approx(tower + 4 * dim * FRAMES * TOKENS_PER_FRAME)
+
+
+def test_reduction_by_novelty_keeps_what_changed_since_the_last_frame(model_and_processor: tuple, batch: dict) -> None:
+    """`novelty`: a clip's first frame is ranked by deviation; past it, a feature scores at most its
+    distance from the same spot one frame earlier. A clip whose frames repeat its first keeps only
+    the first's tokens where that many slots are all it has; counted as seven passes a feature."""
+    model, _ = model_and_processor
+    reducer = PreLLMReduction(model, 0.25, "novelty")
+    with torch.no_grad():
+        features, scores, _ = reducer._media(batch)
+    clips = features.view(3, FRAMES, TOKENS_PER_FRAME, -1)
+    deviation = (clips - clips.mean(2, keepdim=True)).norm(dim=-1)
+    expected = deviation.clone()
+    for frame in range(1, FRAMES):
+        expected[:, frame] = torch.minimum(deviation[:, frame], (clips[:, frame] - clips[:, frame - 1]).norm(dim=-1))
+    assert torch.allclose(scores.view(3, FRAMES, -1), expected, atol=1e-5)
+    assert (scores.view(3, FRAMES, -1)[:, 1:] < deviation[:, 1:] - 1e-4).any()  # these clips move: it bites
+
+    still = dict(batch, pixel_values_videos=batch["pixel_values_videos"][:, :1].expand_as(batch["pixel_values_videos"]))
+    with torch.no_grad():
+        reduced = PreLLMReduction(model, 1 / FRAMES, "novelty").reduce(still)
+    video = still["input_ids"] == model.config.video_token_id
+    first_video, mask = video.float().argmax(1), reduced["attention_mask"].bool()
+    for row in range(3):
+        index = reduced["index"][row]
+        assert torch.equal(index[mask[row] & video[row].gather(0, index)] - first_video[row], torch.arange(TOKENS_PER_FRAME))
+    dim = model.config.text_config.hidden_size
+    tower = vit_flops(hf_vision_dims(model.config.vision_config)) * FRAMES + frame_pooling_flops(model, batch) / 3
+    assert reduction_flops(reducer, batch)["vision"] == pytest.approx(tower + 7 * dim * FRAMES * TOKENS_PER_FRAME)
+
+
+def test_reduction_by_novelty_is_deviation_on_images() -> None:
+    model, _ = tiny.build("llava", width=64, layers=2, vision_width=32, vision_layers=2, image_size=32, patch_size=8,
+                          vision_feature_layer=-1, seed=2)
+    pixels = torch.randn(3, 3, 32, 32)
+    with torch.no_grad():
+        _, novelty, _ = PreLLMReduction(model, 0.5, "novelty")._media({"pixel_values": pixels})
+        _, deviation, _ = PreLLMReduction(model, 0.5, "deviation")._media({"pixel_values": pixels})
+    assert torch.equal(novelty, deviation)
+    ids = torch.zeros(3, 20, dtype=torch.long)
+    ids[:, 2:18] = model.config.image_token_id  # 16 patches an image
+    batch = {"input_ids": ids, "attention_mask": torch.ones(3, 20, dtype=torch.long), "pixel_values": pixels}
+    assert reduction_flops(PreLLMReduction(model, 0.5, "novelty"), batch)["vision"] > vit_flops(
+        hf_vision_dims(model.config.vision_config))
+    assert reduction_flops(PreLLMReduction(model, 0.5, "novelty"), batch) == reduction_flops(
+        PreLLMReduction(model, 0.5, "deviation"), batch)
 
 
 def test_reduction_contextual_tokens_merge_what_the_ranking_drops(model_and_processor: tuple, batch: dict) -> None:
@@ -462,12 +508,37 @@ def test_the_recipe_solves_every_point_or_says_it_is_out_of_reach() -> None:
         assert all(v >= p["target"] for m, v in p["predicted"].items() if m != "frames")
     eight = points[-1]
     assert {"learned", "random", "stride", "attention"} <= set(eight["out_of_reach"]) and eight["stack_keep"]
-    # Each stacked point solved at its own share: the video default gives the reduction more of 8x.
-    assert s.share_at(5.0) == 0.5 and s.share_at(8.0) == 0.85
+    # Each stacked point solved at its own share: here the reduction takes more of 8x alone.
+    assert s.share_at(5.0) == s.share_at(8.0) == 0.85  # the video default: 0.85 everywhere
+    shares = RecipeSettings.for_task("video", stack_share={8.0: 0.85, **{t: 0.5 for t in s.targets[:-1]}})
+    split, _ = solve_points(dims, TokenCounts(text=12.5, vision=128, frames=8), shares, list(range(1, 8)), 1e5)
     even, _ = solve_points(dims, TokenCounts(text=12.5, vision=128, frames=8),
                            RecipeSettings.for_task("video", stack_share=0.5), list(range(1, 8)), 1e5)
-    assert [p["stack_keep"] for p in even[:-1]] == [p["stack_keep"] for p in points[:-1]]
-    assert eight["stack_keep"] < even[-1]["stack_keep"] and eight["stack_capacity"] > even[-1]["stack_capacity"]
+    assert [p["stack_keep"] for p in even[:-1]] == [p["stack_keep"] for p in split[:-1]]
+    assert split[-1]["stack_keep"] == eight["stack_keep"] < even[-1]["stack_keep"]
+    assert split[-1]["stack_capacity"] > even[-1]["stack_capacity"]
+    assert all(a["stack_keep"] < b["stack_keep"] for a, b in zip(points, even, strict=True))
+
+
+def test_the_stacked_stage_trains_at_its_own_split() -> None:
+    """`stack_train_share`: the stacked stage's draws are solved at that split (video: 5x at 0.5,
+    8x as it runs, 0.85), the points still run at `stack_share`; None: the points' own."""
+    from vlmod.errors import InputError
+    from vlmod.recipes.points import solve_points, stack_training_points
+    from vlmod.recipes.settings import RecipeSettings
+
+    dims = DecoderDims(dim=128, layers=8, heads=8, kv_heads=2, head_dim=16, mlp_hidden=256, vocab=200)
+    counts, layers = TokenCounts(text=12.5, vision=128, frames=8), list(range(1, 8))
+    s = RecipeSettings.for_task("video")
+    points, _ = solve_points(dims, counts, s, layers, 1e5)
+    far = [p for p in points if p["target"] > 3.5]
+    draws = stack_training_points(dims, counts, s, layers, far)
+    assert draws[0] == solve_stacked(dims, counts, 5.0, layers, None, 0.5) != (far[0]["stack_keep"], far[0]["stack_capacity"])
+    assert draws[1] == (far[1]["stack_keep"], far[1]["stack_capacity"]) == solve_stacked(dims, counts, 8.0, layers, None, 0.85)
+    same = RecipeSettings.for_task("video", stack_train_share=None)
+    assert stack_training_points(dims, counts, same, layers, far) == [(p["stack_keep"], p["stack_capacity"]) for p in far]
+    with pytest.raises(InputError, match="stack_train_share is the pre-LLM reduction's share of a stacked point"):
+        RecipeSettings.for_task("video", stack_train_share={5.0: 1.5})
 
 
 def test_a_row_counts_the_whole_prefill() -> None:

@@ -39,8 +39,9 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("mod_layers", str, "converted language layers: 'all' (every layer but 0) or 'arank:N'"),
     ("train_up_to", float, "the MoD fine-tune trains at the capacities of the points up to this LM FLOPs "
                            "reduction (each step draws one); points past it are evaluated on that model"),
-    ("stack_scoring", str, "MoD stacked on pre-LLM reduction: its ranking, cls, mean (every query's attention) or "
-                           "deviation (each feature's distance from its frame's mean)"),
+    ("stack_scoring", str, "MoD stacked on pre-LLM reduction: its ranking, cls, mean (every query's attention), "
+                           "deviation (each feature's distance from its frame's mean) or novelty (deviation, but "
+                           "past a clip's first frame at most the distance from the same spot a frame earlier)"),
     ("reduce_contextual", non_negative_float, "the pre-LLM reduction baselines: the share of their kept tokens that "
                                               "are VisionZip's contextual tokens (the dropped ones merged)"),
     ("stack_steps", int_at_least(0), "MoD stacked on pre-LLM reduction: steps the MoD model trains on behind the "
@@ -65,17 +66,20 @@ def share_at_target(text: str) -> tuple[float | None, float]:
         raise argparse.ArgumentTypeError(f"expected SHARE or TARGET=SHARE (e.g. 0.5 or 8=0.85), got {text!r}") from None
 
 
-def _shares(share: float | dict[float, float]) -> str:
+def _shares(share: float | dict[float, float] | None) -> str:
     """A stack_share as `--stack-share` takes it."""
+    if share is None:
+        return "as --stack-share"
     if not isinstance(share, dict):
         return f"{share:g}"
     return " ".join([f"{DEFAULT_STACK_SHARE:g}"] + [f"{t:g}={s:g}" for t, s in sorted(share.items())
                                                     if s != DEFAULT_STACK_SHARE])
 
 
-def stack_shares(given: list[tuple[float | None, float]], task_default: RecipeSettings) -> float | dict[float, float]:
-    """`--stack-share` as a setting: one share (bare), or every target's (its own, else the bare
-    one, else the task's default)."""
+def stack_shares(given: list[tuple[float | None, float]], task_default: RecipeSettings,
+                 training: bool = False) -> float | dict[float, float]:
+    """`--stack-share` (`training`: `--stack-train-share`) as a setting: one share (bare), or every
+    target's (its own, else the bare one, else the task's default)."""
     named = {t: s for t, s in given if t is not None}
     bare = [s for t, s in given if t is None]
     if len(bare) > 1:
@@ -87,7 +91,7 @@ def stack_shares(given: list[tuple[float | None, float]], task_default: RecipeSe
                          f"({' '.join(f'{t:g}' for t in task_default.targets)}): name a target or give --targets")
     if not named:
         return bare[0]
-    return {t: named.get(t, bare[0] if bare else task_default.share_at(t)) for t in task_default.targets}
+    return {t: named.get(t, bare[0] if bare else task_default.share_at(t, training)) for t in task_default.targets}
 
 
 def add_recipe_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
@@ -120,6 +124,9 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                              "reduction, in log terms (0.5: each does the square root), MoD the rest; a bare SHARE "
                              "for every point, TARGET=SHARE for one (default: image "
                              f"{_shares(image.stack_share)}, video {_shares(vid.stack_share)})")
+    parser.add_argument("--stack-train-share", nargs="+", type=share_at_target, default=None, metavar="[TARGET=]SHARE",
+                        help="the split the stacked stage trains at, as --stack-share (default: image "
+                             f"{_shares(image.stack_train_share)}, video {_shares(vid.stack_train_share)})")
     parser.add_argument("--routers", nargs="*", default=None,
                         help=f"baselines at every point (default: {' '.join(image.routers)})")
     parser.add_argument("--image-model", default=None, metavar="DIR",
@@ -190,6 +197,8 @@ def run_recipe_command(args: argparse.Namespace) -> int:
     settings = RecipeSettings.for_task(args.task, quick=args.quick, isoflop=args.isoflop, **overrides)
     if args.stack_share is not None:  # per target: it needs the targets, so after them (replace checks it again)
         settings = dataclasses.replace(settings, stack_share=stack_shares(args.stack_share, settings))
+    if args.stack_train_share is not None:
+        settings = dataclasses.replace(settings, stack_train_share=stack_shares(args.stack_train_share, settings, True))
     from vlmod.io.paths import check_output_dir
 
     out = check_output_dir(args.out or f"runs/synthetic-{args.task}", "--out")

@@ -41,6 +41,7 @@ METHOD_LABELS = {
     "reduce": "pre-LLM reduction, CLS attention (VisionZip-like, training-free)",
     "reduce-mean": "pre-LLM reduction, every query's attention (VisionZip without a CLS)",
     "reduce-deviation": "pre-LLM reduction, features' deviation from their frame (training-free)",
+    "reduce-novelty": "pre-LLM reduction, features' novelty since the last frame (training-free)",
     "frames": "frame subsampling (dense)",
     "learned+vision": "MoD learned + vision tower MoD (attention router)",
     "dense-control": "dense, fine-tuned again as the MoD stage (control)",
@@ -393,7 +394,9 @@ def plot_frontier(rows: Sequence[Mapping[str, Any]], path: str | Path, title: st
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), dpi=120, sharey=True)
     dense = next(r for r in rows if r["method"] == "dense")
-    markers = dict(zip(METHOD_LABELS, "*os^vDdpPXh<", strict=True))
+    markers = dict(zip(METHOD_LABELS, "*os^vDdpPXh<>", strict=True))
+    # One colour a method: matplotlib's cycle has ten, and two curves sharing one read as one.
+    colours = dict(zip(METHOD_LABELS, [*plt.cm.tab10.colors, "navy", "darkgoldenrod", "darkslategray"], strict=True))
     for ax, axis, xlabel in ((axes[0], "language", "language-model prefill GFLOPs per sample"),
                              (axes[1], "total", "total prefill GFLOPs per sample (tower + projector + LM)")):
         for method in METHOD_LABELS:
@@ -405,8 +408,8 @@ def plot_frontier(rows: Sequence[Mapping[str, Any]], path: str | Path, title: st
             ys = [100 * r["accuracy"] for r in points] + [100 * end]
             if method == "learned+vision":
                 xs, ys = xs[:-1], ys[:-1]
-            ax.plot(xs, ys, marker=markers[method], label=label,
-                    linewidth=2.2 if method == "learned" else 1.2)
+            ax.plot(xs, ys, marker=markers[method], color=colours[method], label=label,
+                    linewidth=2.2 if method in ("learned", "stacked") else 1.2)
         ax.plot([_x(dense, axis)], [100 * dense["accuracy"]], "k*", markersize=14, label="dense")
         for control in (r for r in rows if r["method"] == "dense-control"):
             ax.plot([_x(control, axis)], [100 * control["accuracy"]], "*", color="gray", markersize=12,

@@ -19,8 +19,8 @@ from vlmod.api import apply_mod, set_capacity, set_router
 from vlmod.config import MoDConfig
 from vlmod.evaluation import frontier
 from vlmod.io.hf import load_pretrained
-from vlmod.recipes.points import REDUCTION_METHODS, reachable
-from vlmod.tools.reduction import SCORINGS, PreLLMReduction, reduction_flops
+from vlmod.recipes.points import reachable, reduction_methods
+from vlmod.tools.reduction import PreLLMReduction, reduction_flops
 
 
 class PointEvaluations:
@@ -94,13 +94,13 @@ class PointEvaluations:
                 self.evaluate_frames(p)
 
     def evaluate_reduction(self, p: dict[str, Any]) -> None:
-        """Pre-LLM reduction with each ranking (VisionZip's two, and the features' deviation from
-        their frame's mean): these towers are trained from scratch under LLaVA, which reads only
-        the patches, so nothing trains their CLS; which ranking is the stronger varies by model.
-        A `reduce_contextual` share of the kept slots are VisionZip's contextual tokens."""
+        """Pre-LLM reduction with each ranking (VisionZip's two, the features' deviation from
+        their frame's mean and, on clips, their novelty since the last frame): these towers are
+        trained from scratch under LLaVA, which reads only the patches, so nothing trains their
+        CLS; which ranking is the stronger varies by model. A `reduce_contextual` share of the
+        kept slots are VisionZip's contextual tokens."""
         t = p["target"]
-        for rank_by in SCORINGS:
-            method = REDUCTION_METHODS[rank_by]
+        for rank_by, method in reduction_methods(self.video).items():
             if self.skip(method, p):
                 continue
             reducer = PreLLMReduction(self.dense_model, p["keep"], rank_by, self.s.reduce_contextual)

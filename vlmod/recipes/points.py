@@ -21,7 +21,13 @@ from vlmod.tools.flops import DecoderDims, language_prefill_flops
 
 # The baseline row of each ranking of the pre-LLM reduction (`vlmod.tools.reduction.SCORINGS`):
 # one knob (the kept fraction), so one reach.
-REDUCTION_METHODS = {"cls": "reduce", "mean": "reduce-mean", "deviation": "reduce-deviation"}
+REDUCTION_METHODS = {"cls": "reduce", "mean": "reduce-mean", "deviation": "reduce-deviation",
+                     "novelty": "reduce-novelty"}
+
+
+def reduction_methods(video: bool) -> dict[str, str]:
+    """The rankings a recipe runs as baselines: novelty only on clips (on images it is deviation)."""
+    return {k: v for k, v in REDUCTION_METHODS.items() if video or k != "novelty"}
 
 
 def ceilings(dims: DecoderDims, counts: TokenCounts, layers: Sequence[int], schedule: str | None,
@@ -33,7 +39,7 @@ def ceilings(dims: DecoderDims, counts: TokenCounts, layers: Sequence[int], sche
     mod = frontier.max_reduction(dims, counts, "mod", layers, schedule)
     out = {"learned": mod, "random": mod, "stride": mod,
            "attention": frontier.max_reduction(dims, others, "mod", layers, schedule, scoring)}
-    out.update(dict.fromkeys(REDUCTION_METHODS.values(), frontier.max_reduction(dims, others, "reduce")))
+    out.update(dict.fromkeys(reduction_methods(video).values(), frontier.max_reduction(dims, others, "reduce")))
     if stacked:
         out["stacked"] = frontier.max_reduction(dims, counts, "stacked", layers, schedule)
     if video:
@@ -85,8 +91,22 @@ def solve_points(dims: DecoderDims, counts: TokenCounts, s: Any, layers: Sequenc
     return points, reach
 
 
+def stack_training_points(dims: DecoderDims, counts: TokenCounts, s: Any, layers: Sequence[int],
+                          points: Sequence[dict[str, Any]]) -> list[tuple[float, float]]:
+    """(keep, capacity) the stacked stage trains at for each of `points`: their own, or solved at
+    the training split where `stack_train_share` differs from the split they run at."""
+    draws = []
+    for p in points:
+        t = p["target"]
+        solved = None
+        if s.share_at(t, training=True) != s.share_at(t):
+            solved = frontier.solve_stacked(dims, counts, t, layers, s.schedule, s.share_at(t, training=True))
+        draws.append(solved or (p["stack_keep"], p["stack_capacity"]))
+    return draws
+
+
 def reachable(point: dict[str, Any], method: str) -> bool:
     return method not in point["out_of_reach"]
 
 
-__all__ = ["REDUCTION_METHODS", "ceilings", "reachable", "solve_points"]
+__all__ = ["REDUCTION_METHODS", "ceilings", "reachable", "reduction_methods", "solve_points", "stack_training_points"]

@@ -51,7 +51,7 @@ from vlmod.io.hf import load_pretrained
 from vlmod.models import tiny
 from vlmod.recipes.cost import format_costs, run_cost
 from vlmod.recipes.methods import PointEvaluations
-from vlmod.recipes.points import solve_points
+from vlmod.recipes.points import solve_points, stack_training_points
 from vlmod.recipes.reuse import (
     CONTROL_STAGES,
     DENSE_RUN,
@@ -360,9 +360,10 @@ class _Recipe(PointEvaluations):
         stacked = [p for p in result.points if p.get("stack_keep") is not None and p["target"] > train_from]
         self.stack = self.mod
         if s.stacked and s.stack_steps and stacked:
+            draws = stack_training_points(self.dims, self.counts, s, result.layers, stacked)
             self.stack = stages.run("train stacked", lambda: self.finetune(
                 self.mod, "stack", trainable="language", lr=s.stack_lr, max_steps=s.stack_steps, router_lr=s.router_lr,
-                capacities=[p["stack_capacity"] for p in stacked], reduce_keep=[p["stack_keep"] for p in stacked],
+                capacities=[cap for _, cap in draws], reduce_keep=[keep for keep, _ in draws],
                 reduce_scoring=s.stack_scoring, distill_from=mod_stage["distill_from"],
             ))
         if s.dense_control:

@@ -20,6 +20,11 @@ reads no attention: it ranks each frame's (image's) features by their distance f
 mean feature, so what stands out of a uniform background is kept (like the diversity rankings of
 DART or DivPrune; cheaper than either); on towers whose attention ranks poorly it is the stronger
 (image seed 0 at 3x: 69.2% against 56.0% for every query's attention, first 400 questions).
+`scoring="novelty"` is the same on images and on a clip's first frame; past it, a feature scores
+at most its distance from the same spot one frame earlier, so what stayed as it was (a still object,
+the background) is not kept again and the slots go to what appeared, moved or changed (the
+temporal redundancy DyCoke and FastVID prune; video seed 0, MoD stacked on it at 8x: 88.6% by
+deviation -> 94.2% by novelty, trained behind each, all 2,520 questions; docs/results.md).
 Selection is the engine's: text is protected, the top-k vision tokens of each row are kept in their original
 order (`vlmod.routing.selection`), and the kept sequence is left-padded for generation.
 
@@ -52,7 +57,8 @@ from vlmod.routing.trace import find_parts
 from vlmod.tools.flops import vision_images
 
 IGNORE_INDEX = -100
-SCORINGS = ("cls", "mean", "deviation")
+SCORINGS = ("cls", "mean", "deviation", "novelty")
+FEATURE_SCORINGS = ("deviation", "novelty")  # read the features alone: no attention, no tower hook
 
 
 def _check(model: nn.Module) -> None:
@@ -109,7 +115,7 @@ class PreLLMReduction(nn.Module):
         block = self._scoring_block()
         captured: list[Tensor] = []
         # The tower keeps only the hidden states LLaVA reads: capture the scoring layer's input.
-        hook = None if self.scoring == "deviation" else block.register_forward_pre_hook(
+        hook = None if self.scoring in FEATURE_SCORINGS else block.register_forward_pre_hook(
             lambda module, args, kwargs: captured.append(args[0] if args else kwargs["hidden_states"]),
             with_kwargs=True,
         )
@@ -136,8 +142,10 @@ class PreLLMReduction(nn.Module):
         if isinstance(features, (list, tuple)):
             features = torch.cat([f.reshape(-1, f.shape[-1]) for f in features])
         features = features.reshape(-1, features.shape[-1])
-        if self.scoring == "deviation":
-            return features, self._deviation(features, vision_images(inputs)), int(token_id)
+        if self.scoring in FEATURE_SCORINGS:
+            clips = self.scoring == "novelty" and inputs.get("pixel_values_videos") is not None
+            frames = inputs["pixel_values_videos"].shape[1] if clips else 1
+            return features, self._deviation(features, vision_images(inputs), frames), int(token_id)
         scores = self._patch_attention(block, captured[-1], self.scoring == "cls")  # [frames, patches]
         if pool is not None:
             side = int(scores.shape[1] ** 0.5)
@@ -149,14 +157,24 @@ class PreLLMReduction(nn.Module):
         return features, scores, int(token_id)
 
     @staticmethod
-    def _deviation(features: Tensor, images: int) -> Tensor:
+    def _deviation(features: Tensor, images: int, frames: int = 1) -> Tensor:
         """[N]: how far each vision feature lies from the mean feature of its frame (image), which
-        the language model would read from any of that frame's background tokens alike."""
+        the language model would read from any of that frame's background tokens alike. With
+        `frames` > 1 (clips of that many frames, `scoring="novelty"`) a feature past a clip's first
+        frame scores the smaller of that and its distance from the same spot one frame earlier:
+        what did not change since that frame has already entered, so its slot goes elsewhere."""
         if features.shape[0] % images:
             raise ValueError(f"{features.shape[0]} vision features do not split evenly over {images} frames: "
                              "rank them with scoring='cls' or 'mean'")
         grouped = features.detach().float().view(images, -1, features.shape[-1])
-        return (grouped - grouped.mean(1, keepdim=True)).norm(dim=-1).reshape(-1)
+        deviation = (grouped - grouped.mean(1, keepdim=True)).norm(dim=-1)  # [images, patches]
+        if frames > 1:
+            clips = grouped.view(-1, frames, *grouped.shape[1:])
+            step = (clips[:, 1:] - clips[:, :-1]).norm(dim=-1)  # [clips, frames - 1, patches]
+            first = torch.full_like(step[:, :1], float("inf"))  # a clip's first frame is all new
+            change = torch.cat([first, step], 1)
+            deviation = torch.minimum(deviation.view_as(change), change)
+        return deviation.reshape(-1)
 
     def _scoring_block(self) -> nn.Module:
         """The tower layer whose output LLaVA reads (`vision_feature_layer` counts the embeddings
@@ -364,9 +382,10 @@ def reduction_flops(reducer: PreLLMReduction, inputs: Mapping[str, Any], trace: 
     frames = vision_images(inputs)
     dims = hf_vision_dims(cfg.vision_config)
     n_vision, kept = reducer.vision_tokens(inputs)
-    if reducer.scoring == "deviation":  # a mean, a difference and a norm over every feature
-        scoring = 0.0
-        vision = 4.0 * cfg.text_config.hidden_size * float(n_vision.double().mean())
+    if reducer.scoring in FEATURE_SCORINGS:  # a mean, a difference and a norm over every feature
+        scoring = 0.0  # novelty on clips: a second difference and norm, and a minimum
+        clips = reducer.scoring == "novelty" and inputs.get("pixel_values_videos") is not None
+        vision = (7.0 if clips else 4.0) * cfg.text_config.hidden_size * float(n_vision.double().mean())
     else:
         scoring = cls_attention_flops(dims, 1 if reducer.scoring == "cls" else dims.num_tokens)
         vision = 0.0

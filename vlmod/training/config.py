@@ -60,7 +60,9 @@ class TrainConfig:
         match as well (`vlmod.training.distill`), weighted by `distill_weight`; None: plain fine-tuning.
     reduce_keep / reduce_scoring: train behind a pre-LLM reduction (`vlmod.tools.reduction`): only
         this fraction of each sample's vision tokens enters the language model, ranked by the
-        tower's attention ("mean": every query's, the default; "cls": the CLS token's), so a MoD
+        tower's attention ("mean": every query's, the default; "cls": the CLS token's) or by the
+        features ("deviation" from their frame's mean; "novelty": that, capped on a clip past its
+        first frame by the change since the frame before; `vlmod.tools.reduction`), so a MoD
         model learns to route what the reduction keeps, as it will run stacked on it. A list as
         long as `capacities` pairs them: each step draws one compute point, the i-th keep with the
         i-th capacity (one model for every stacked point). The teacher still sees every token.
