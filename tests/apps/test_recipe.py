@@ -318,6 +318,7 @@ def test_stack_share_is_one_share_or_one_per_target() -> None:
     """`--stack-share 0.6` (every point), `0.6 8=0.9` (8x at 0.9, the others 0.6), `8=0.9` (the
     others at the task's default); results.json gives the targets back as strings."""
     from vlmod.cli.recipe import share_at_target, stack_shares
+    from vlmod.errors import InputError
 
     video, image = RecipeSettings.for_task("video"), RecipeSettings.for_task("image")
     assert stack_shares([share_at_target("0.6")], video) == 0.6
@@ -331,10 +332,15 @@ def test_stack_share_is_one_share_or_one_per_target() -> None:
     saved = json.loads(json.dumps(per_target.to_dict()))["stack_share"]
     assert saved == {"8.0": 0.85} and RecipeSettings.for_task("image", stack_share=saved).share_at(8) == 0.85
     assert image.share_at(8.0) == 0.5 and video.share_at(1.5) == video.share_at(8.0) == 0.85
-    # --stack-train-share: the same, its unnamed targets at the task's training split.
+    # --stack-train-share: the same; a target the training split does not name trains where it runs.
     assert stack_shares([share_at_target("5=0.7")], video, training=True) == {
-        1.5: 0.5, 2.0: 0.5, 3.0: 0.5, 3.5: 0.5, 5.0: 0.7, 8.0: 0.85}
+        1.5: 0.85, 2.0: 0.85, 3.0: 0.85, 3.5: 0.85, 5.0: 0.7, 8.0: 0.85}
     assert video.share_at(5.0, training=True) == 0.5 and image.share_at(5.0, training=True) == image.share_at(5.0)
+    assert RecipeSettings.for_task("video", stack_share=0.6).share_at(8.0, training=True) == 0.6
+    with pytest.raises(InputError, match="stack_train_share is the pre-LLM reduction's share"):
+        RecipeSettings.for_task("video", stack_train_share="half")
+    with pytest.raises(InputError, match="--stack-train-share names 4x"):
+        stack_shares([share_at_target("4=0.7")], video, training=True)
 
 
 @pytest.mark.parametrize(("task", "prefix"), [("image", "synthetic"), ("video", "synthetic-video")])

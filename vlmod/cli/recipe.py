@@ -76,18 +76,26 @@ def _shares(share: float | dict[float, float] | None) -> str:
                                                     if s != DEFAULT_STACK_SHARE])
 
 
+def _train_shares(share: float | dict[float, float] | None) -> str:
+    """A stack_train_share as `--stack-train-share` takes it (the targets it names)."""
+    if not isinstance(share, dict):
+        return _shares(share)
+    return " ".join(f"{t:g}={s:g}" for t, s in sorted(share.items()))
+
+
 def stack_shares(given: list[tuple[float | None, float]], task_default: RecipeSettings,
                  training: bool = False) -> float | dict[float, float]:
     """`--stack-share` (`training`: `--stack-train-share`) as a setting: one share (bare), or every
     target's (its own, else the bare one, else the task's default)."""
+    flag = "--stack-train-share" if training else "--stack-share"
     named = {t: s for t, s in given if t is not None}
     bare = [s for t, s in given if t is None]
     if len(bare) > 1:
-        raise InputError(f"--stack-share takes one bare SHARE (for every point), got {len(bare)}: name the others' "
+        raise InputError(f"{flag} takes one bare SHARE (for every point), got {len(bare)}: name the others' "
                          "targets as TARGET=SHARE")
     unknown = sorted(set(named) - set(task_default.targets))
     if unknown:
-        raise InputError(f"--stack-share names {', '.join(f'{t:g}x' for t in unknown)}, not among the targets "
+        raise InputError(f"{flag} names {', '.join(f'{t:g}x' for t in unknown)}, not among the targets "
                          f"({' '.join(f'{t:g}' for t in task_default.targets)}): name a target or give --targets")
     if not named:
         return bare[0]
@@ -125,8 +133,10 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                              "for every point, TARGET=SHARE for one (default: image "
                              f"{_shares(image.stack_share)}, video {_shares(vid.stack_share)})")
     parser.add_argument("--stack-train-share", nargs="+", type=share_at_target, default=None, metavar="[TARGET=]SHARE",
-                        help="the split the stacked stage trains at, as --stack-share (default: image "
-                             f"{_shares(image.stack_train_share)}, video {_shares(vid.stack_train_share)})")
+                        help="the split the stacked stage trains at, as --stack-share; a target it does not name "
+                             "trains where it runs (default: image "
+                             f"{_shares(image.stack_train_share)}, video {_train_shares(vid.stack_train_share)}; "
+                             "with --stack-share given: as --stack-share)")
     parser.add_argument("--routers", nargs="*", default=None,
                         help=f"baselines at every point (default: {' '.join(image.routers)})")
     parser.add_argument("--image-model", default=None, metavar="DIR",
@@ -196,7 +206,9 @@ def run_recipe_command(args: argparse.Namespace) -> int:
         raise InputError("--isoflop trains its MoD models from scratch: drop --reuse-trained and --dense-control")
     settings = RecipeSettings.for_task(args.task, quick=args.quick, isoflop=args.isoflop, **overrides)
     if args.stack_share is not None:  # per target: it needs the targets, so after them (replace checks it again)
-        settings = dataclasses.replace(settings, stack_share=stack_shares(args.stack_share, settings))
+        # A split given here is also the one the stacked stage trains at, unless --stack-train-share says otherwise.
+        settings = dataclasses.replace(settings, stack_share=stack_shares(args.stack_share, settings),
+                                       stack_train_share=None)
     if args.stack_train_share is not None:
         settings = dataclasses.replace(settings, stack_train_share=stack_shares(args.stack_train_share, settings, True))
     from vlmod.io.paths import check_output_dir

@@ -395,8 +395,11 @@ def plot_frontier(rows: Sequence[Mapping[str, Any]], path: str | Path, title: st
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), dpi=120, sharey=True)
     dense = next(r for r in rows if r["method"] == "dense")
     markers = dict(zip(METHOD_LABELS, "*os^vDdpPXh<>", strict=True))
-    # One colour a method: matplotlib's cycle has ten, and two curves sharing one read as one.
-    colours = dict(zip(METHOD_LABELS, [*plt.cm.tab10.colors, "navy", "darkgoldenrod", "darkslategray"], strict=True))
+    # One colour a method (matplotlib's cycle has ten, and two curves sharing one read as one);
+    # grey and black stay with dense, its control and the dense - 1 line.
+    colours = dict(zip(METHOD_LABELS, ["black", "tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple",
+                                       "tab:brown", "tab:pink", "tab:olive", "tab:cyan", "navy", "gray",
+                                       "darkgoldenrod"], strict=True))
     for ax, axis, xlabel in ((axes[0], "language", "language-model prefill GFLOPs per sample"),
                              (axes[1], "total", "total prefill GFLOPs per sample (tower + projector + LM)")):
         for method in METHOD_LABELS:

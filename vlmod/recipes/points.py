@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from vlmod.errors import InputError
 from vlmod.evaluation import frontier
 from vlmod.evaluation.frontier import TokenCounts
 from vlmod.tools.flops import DecoderDims, language_prefill_flops
@@ -97,11 +98,15 @@ def stack_training_points(dims: DecoderDims, counts: TokenCounts, s: Any, layers
     the training split where `stack_train_share` differs from the split they run at."""
     draws = []
     for p in points:
-        t = p["target"]
-        solved = None
-        if s.share_at(t, training=True) != s.share_at(t):
-            solved = frontier.solve_stacked(dims, counts, t, layers, s.schedule, s.share_at(t, training=True))
-        draws.append(solved or (p["stack_keep"], p["stack_capacity"]))
+        t, share = p["target"], s.share_at(p["target"], training=True)
+        if share == s.share_at(t):
+            draws.append((p["stack_keep"], p["stack_capacity"]))
+            continue
+        solved = frontier.solve_stacked(dims, counts, t, layers, s.schedule, share)
+        if solved is None:
+            raise InputError(f"stack_train_share {share:g} cannot reach the stacked point at {t:g}x: give a share "
+                             "that reaches it, or none (train where it runs)")
+        draws.append(solved)
     return draws
 
 

@@ -384,7 +384,8 @@ def reduction_flops(reducer: PreLLMReduction, inputs: Mapping[str, Any], trace: 
     n_vision, kept = reducer.vision_tokens(inputs)
     if reducer.scoring in FEATURE_SCORINGS:  # a mean, a difference and a norm over every feature
         scoring = 0.0  # novelty on clips: a second difference and norm, and a minimum
-        clips = reducer.scoring == "novelty" and inputs.get("pixel_values_videos") is not None
+        videos = inputs.get("pixel_values_videos")
+        clips = reducer.scoring == "novelty" and videos is not None and videos.shape[1] > 1
         vision = (7.0 if clips else 4.0) * cfg.text_config.hidden_size * float(n_vision.double().mean())
     else:
         scoring = cls_attention_flops(dims, 1 if reducer.scoring == "cls" else dims.num_tokens)
