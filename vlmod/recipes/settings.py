@@ -77,9 +77,10 @@ class RecipeSettings:
     # questions, 5x at share 0.5 / 0.7 / 0.85 / 0.95: 93.1 / 94.0 / 94.4 / 94.3%, 3x 93.2 -> 93.7%).
     stack_share: float | dict[float, float] = DEFAULT_STACK_SHARE
     # The split the stacked stage (below) trains at, as `stack_share` (a target it does not name, or
-    # None: where the point runs). Video trains 5x at 0.5 and runs every point at 0.85: trained at 0.85 at 5x too, the
-    # stage's loss jumped after the warm-up (0.23 -> 0.79 at step 200, 0.22 at the end against 0.07)
-    # and it scored 89.9% at 5x and 88.3% at 8x, against 94.4% and 94.2% (all 2,520 questions).
+    # None: where the point runs). Video trains 5x at 0.5 and runs every point at 0.85: trained at
+    # 0.85 at 5x too, the stage's loss jumped after the warm-up (0.23 -> 0.79 at step 200, 0.22 at
+    # the end against 0.07) and it scored 89.9% at 5x and 88.3% at 8x, against 94.4% and 94.2%
+    # (all 2,520 questions).
     stack_train_share: float | dict[float, float] | None = None
     # Its ranking (`vlmod.tools.reduction.SCORINGS`). Seed 0, the stacked stage trained behind
     # each, first 420 / 400 questions: video 5x 93.3% by every query's attention, 95.2% by the
