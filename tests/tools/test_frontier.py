@@ -384,6 +384,14 @@ def test_reduction_refuses_what_it_cannot_rank() -> None:
         PreLLMReduction(llava, 0.0)
 
 
+def test_reduction_refuses_images_and_clips_in_one_batch(model_and_processor: tuple, batch: dict) -> None:
+    """Its frame grouping counts every picture, so a batch holds one kind of media."""
+    model, _ = model_and_processor
+    mixed = dict(batch, pixel_values=batch["pixel_values_videos"][:, 0], image_sizes=torch.tensor([[32, 32]] * 3))
+    with pytest.raises(ValueError, match="one kind of media a batch, got images and clips together"):
+        PreLLMReduction(model, 0.5, "novelty").reduce(mixed)
+
+
 # ----------------------------------------------------------------------------- frame subsampling
 
 

@@ -119,6 +119,9 @@ class PreLLMReduction(nn.Module):
             lambda module, args, kwargs: captured.append(args[0] if args else kwargs["hidden_states"]),
             with_kwargs=True,
         )
+        if inputs.get("pixel_values_videos") is not None and inputs.get("pixel_values") is not None:
+            raise ValueError("pre-LLM reduction ranks one kind of media a batch, got images and clips together: "
+                             "reduce them in separate batches")
         try:
             if inputs.get("pixel_values_videos") is not None:
                 out = inner.get_video_features(
