@@ -390,6 +390,10 @@ def test_reduction_refuses_images_and_clips_in_one_batch(model_and_processor: tu
     mixed = dict(batch, pixel_values=batch["pixel_values_videos"][:, 0], image_sizes=torch.tensor([[32, 32]] * 3))
     with pytest.raises(ValueError, match="one kind of media a batch, got images and clips together"):
         PreLLMReduction(model, 0.5, "novelty").reduce(mixed)
+    attention = PreLLMReduction(model, 0.5, "mean")
+    with pytest.raises(ValueError, match="one kind of media a batch"):
+        attention.reduce(mixed)
+    assert not attention._scoring_block()._forward_pre_hooks  # refused before the tower is hooked
 
 
 # ----------------------------------------------------------------------------- frame subsampling

@@ -66,21 +66,15 @@ def share_at_target(text: str) -> tuple[float | None, float]:
         raise argparse.ArgumentTypeError(f"expected SHARE or TARGET=SHARE (e.g. 0.5 or 8=0.85), got {text!r}") from None
 
 
-def _shares(share: float | dict[float, float] | None) -> str:
-    """A stack_share as `--stack-share` takes it."""
+def _shares(share: float | dict[float, float] | None, named_only: bool = False) -> str:
+    """A stack_share as `--stack-share` takes it (`named_only`: a stack_train_share, whose targets
+    it does not name train where they run, as `--stack-train-share` takes it)."""
     if share is None:
         return "as --stack-share"
     if not isinstance(share, dict):
         return f"{share:g}"
-    return " ".join([f"{DEFAULT_STACK_SHARE:g}"] + [f"{t:g}={s:g}" for t, s in sorted(share.items())
-                                                    if s != DEFAULT_STACK_SHARE])
-
-
-def _train_shares(share: float | dict[float, float] | None) -> str:
-    """A stack_train_share as `--stack-train-share` takes it (the targets it names)."""
-    if not isinstance(share, dict):
-        return _shares(share)
-    return " ".join(f"{t:g}={s:g}" for t, s in sorted(share.items()))
+    named = [f"{t:g}={s:g}" for t, s in sorted(share.items()) if named_only or s != DEFAULT_STACK_SHARE]
+    return " ".join(named if named_only else [f"{DEFAULT_STACK_SHARE:g}", *named])
 
 
 def stack_shares(given: list[tuple[float | None, float]], task_default: RecipeSettings,
@@ -135,7 +129,7 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     parser.add_argument("--stack-train-share", nargs="+", type=share_at_target, default=None, metavar="[TARGET=]SHARE",
                         help="the split the stacked stage trains at, as --stack-share; a target it does not name "
                              "trains where it runs (default: image "
-                             f"{_shares(image.stack_train_share)}, video {_train_shares(vid.stack_train_share)}; "
+                             f"{_shares(image.stack_train_share)}, video {_shares(vid.stack_train_share, named_only=True)}; "
                              "with --stack-share given: as --stack-share)")
     parser.add_argument("--routers", nargs="*", default=None,
                         help=f"baselines at every point (default: {' '.join(image.routers)})")

@@ -112,6 +112,9 @@ class PreLLMReduction(nn.Module):
         """(features [N, D] in placeholder order, CLS-attention scores [N], token id) of the batch."""
         inner, cfg = self.model.model, self.model.config
         layer, strategy = cfg.vision_feature_layer, cfg.vision_feature_select_strategy
+        if inputs.get("pixel_values_videos") is not None and inputs.get("pixel_values") is not None:
+            raise ValueError("pre-LLM reduction ranks one kind of media a batch, got images and clips together: "
+                             "reduce them in separate batches")
         block = self._scoring_block()
         captured: list[Tensor] = []
         # The tower keeps only the hidden states LLaVA reads: capture the scoring layer's input.
@@ -119,9 +122,6 @@ class PreLLMReduction(nn.Module):
             lambda module, args, kwargs: captured.append(args[0] if args else kwargs["hidden_states"]),
             with_kwargs=True,
         )
-        if inputs.get("pixel_values_videos") is not None and inputs.get("pixel_values") is not None:
-            raise ValueError("pre-LLM reduction ranks one kind of media a batch, got images and clips together: "
-                             "reduce them in separate batches")
         try:
             if inputs.get("pixel_values_videos") is not None:
                 out = inner.get_video_features(
@@ -146,9 +146,7 @@ class PreLLMReduction(nn.Module):
             features = torch.cat([f.reshape(-1, f.shape[-1]) for f in features])
         features = features.reshape(-1, features.shape[-1])
         if self.scoring in FEATURE_SCORINGS:
-            clips = self.scoring == "novelty" and inputs.get("pixel_values_videos") is not None
-            frames = inputs["pixel_values_videos"].shape[1] if clips else 1
-            return features, self._deviation(features, vision_images(inputs), frames), int(token_id)
+            return features, self._deviation(features, vision_images(inputs), self._clip_frames(inputs)), int(token_id)
         scores = self._patch_attention(block, captured[-1], self.scoring == "cls")  # [frames, patches]
         if pool is not None:
             side = int(scores.shape[1] ** 0.5)
@@ -158,6 +156,11 @@ class PreLLMReduction(nn.Module):
         if scores.numel() != features.shape[0]:
             raise ValueError(f"{scores.numel()} scores for {features.shape[0]} vision features: unsupported feature layout")
         return features, scores, int(token_id)
+
+    def _clip_frames(self, inputs: Mapping[str, Any]) -> int:
+        """Frames a clip that the ranking compares one with the next: novelty on clips, else 1."""
+        videos = inputs.get("pixel_values_videos")
+        return videos.shape[1] if self.scoring == "novelty" and videos is not None else 1
 
     @staticmethod
     def _deviation(features: Tensor, images: int, frames: int = 1) -> Tensor:
@@ -387,9 +390,7 @@ def reduction_flops(reducer: PreLLMReduction, inputs: Mapping[str, Any], trace: 
     n_vision, kept = reducer.vision_tokens(inputs)
     if reducer.scoring in FEATURE_SCORINGS:  # a mean, a difference and a norm over every feature
         scoring = 0.0  # novelty on clips: a second difference and norm, and a minimum
-        videos = inputs.get("pixel_values_videos")
-        clips = reducer.scoring == "novelty" and videos is not None and videos.shape[1] > 1
-        vision = (7.0 if clips else 4.0) * cfg.text_config.hidden_size * float(n_vision.double().mean())
+        vision = (7.0 if reducer._clip_frames(inputs) > 1 else 4.0) * cfg.text_config.hidden_size * float(n_vision.double().mean())
     else:
         scoring = cls_attention_flops(dims, 1 if reducer.scoring == "cls" else dims.num_tokens)
         vision = 0.0
