@@ -515,6 +515,34 @@ def test_prompt_inputs_batch_and_generate(data_dir, llava):
             {"from": "human", "value": "<image>\nwhat ?"}, {"from": "gpt", "value": "red"}]})
 
 
+def test_eval_inputs_decode_each_video_once_and_match_encode_and_prompt(data_dir, monkeypatch):
+    """An evaluation's item and prompt share one decoding of the clip; a cached set decodes it once
+    for every later evaluation (the recipe evaluates ~25 models and points on one set)."""
+    from vlmod.data import video
+
+    processor = tiny.build("llava_next_video")[1]
+    ds = LlavaDataset(data_dir / "video_val.json", processor, num_frames=8, cache=True)
+    loads = []
+    real = video.load_video
+    monkeypatch.setattr(video, "load_video", lambda *a, **k: loads.append(a[0]) or real(*a, **k))
+    record = ds.records[0]
+    item, prompt = ds.eval_inputs(record)
+    assert len(loads) == 1
+    assert ds.eval_inputs(record)[0] is item and len(loads) == 1  # kept
+    expected_item, expected_prompt = ds.encode(record), ds.prompt_inputs(record)
+    for key, value in expected_item.items():
+        assert torch.equal(item[key], value), key
+    for key, value in expected_prompt.inputs.items():
+        assert torch.equal(prompt.inputs[key], value), key
+    assert prompt.answer == expected_prompt.answer
+    assert prompt.inputs["pixel_values_videos"] is item["pixel_values_videos"]  # one copy of the pixels
+    uncached = LlavaDataset(data_dir / "video_val.json", processor, num_frames=8)
+    loads.clear()
+    uncached.eval_inputs(uncached.records[0])
+    uncached.eval_inputs(uncached.records[0])
+    assert len(loads) == 2
+
+
 def test_normalize_answer():
     assert normalize_answer("  The Circle. ") == "circle"
     assert normalize_answer("a red, square!") == "red square"

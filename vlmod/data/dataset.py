@@ -92,8 +92,9 @@ class LlavaDataset(torch.utils.data.Dataset):
         Without it, media are only checked to exist, and a record that fails to load later is
         counted then (in the process that reads it: a DataLoader worker keeps its own count) and
         replaced by the next one.
-    cache: keep each item after its first read, so later epochs skip image decoding and the
-        processor (small sets such as the synthetic one; memory grows with the set).
+    cache: keep each item (and each evaluation's item and prompt, `eval_inputs`) after its first
+        read, so later epochs (or the next model evaluated) skip media decoding and the processor
+        (small sets such as the synthetic one; memory grows with the set).
     max_tokens: the model's positions: a record whose text alone is longer is refused now, in
         one `DataError` line, before any work (a 1 MB question would otherwise keep a model busy
         for minutes). None: not checked.
@@ -144,6 +145,7 @@ class LlavaDataset(torch.utils.data.Dataset):
         self._text_cache: dict[int, tuple[LlavaRecord, _TextEncoding]] = {}
         self.cache = cache
         self._item_cache: dict[int, dict[str, Tensor]] = {}
+        self._eval_cache: dict[int, tuple[LlavaRecord, dict[str, Tensor], PromptInputs]] = {}
         for r in parsed:
             last_assistant(to_messages(r), r.id)  # a malformed record is an error, not a skip
             if max_tokens is not None:
@@ -394,11 +396,13 @@ class LlavaDataset(torch.utils.data.Dataset):
 
     # -- evaluation ----------------------------------------------------------------------------
 
-    def prompt_inputs(self, record: int | LlavaRecord | dict[str, Any]) -> PromptInputs:
+    def prompt_inputs(self, record: int | LlavaRecord | dict[str, Any],
+                      media: tuple[list[Any], list[Any]] | None = None) -> PromptInputs:
         """The prompt of a record's last answer (earlier turns included, generation prompt
         appended) as an item without labels, and that answer as the reference: feed
-        `dataset.collate([p.inputs for p in prompts])` to `generate`. A broken image raises
-        `DataError`: evaluation decides whether to count it as wrong or leave it out."""
+        `dataset.collate([p.inputs for p in prompts])` to `generate`. Loads its media unless
+        given; a broken image raises `DataError`: evaluation decides whether to count it as wrong
+        or leave it out."""
         if isinstance(record, int):
             record = self.records[record]
         elif isinstance(record, dict):
@@ -406,12 +410,32 @@ class LlavaDataset(torch.utils.data.Dataset):
         messages = to_messages(record)
         last = last_assistant(messages, record.id)
         text = self._render(messages[:last], True)
-        try:
-            images, videos = self._load_media(record)
-        except _media_errors() as e:
-            raise DataError(f"record {record.id!r}: cannot load its image/video: {e}") from None
+        images, videos = media if media is not None else self._checked_media(record)
         out = self._process(text, self._add_special(text), images, videos)
         return PromptInputs(inputs=self._item(out), answer=message_text(messages[last]), id=record.id)
+
+    def eval_inputs(self, record: LlavaRecord) -> tuple[dict[str, Tensor], PromptInputs]:
+        """A record's item (its answer's loss) and prompt (generation), its media decoded once for
+        both; with `cache`, kept: a recipe that evaluates many models and compute points on one
+        set decodes each video once, not once an evaluation. A broken image raises `DataError`."""
+        cached = self._eval_cache.get(id(record))
+        if cached is not None and cached[0] is record:
+            return cached[1], cached[2]
+        media = self._checked_media(record)
+        item, prompt = self.encode(record, media), self.prompt_inputs(record, media)
+        if self.cache:
+            for key, value in prompt.inputs.items():  # one copy of the pixels: the processor made two
+                other = item.get(key)
+                if value.is_floating_point() and other is not None and other.shape == value.shape and torch.equal(other, value):
+                    prompt.inputs[key] = other
+            self._eval_cache[id(record)] = (record, item, prompt)
+        return item, prompt
+
+    def _checked_media(self, record: LlavaRecord) -> tuple[list[Any], list[Any]]:
+        try:
+            return self._load_media(record)
+        except _media_errors() as e:
+            raise DataError(f"record {record.id!r}: cannot load its image/video: {e}") from None
 
 
 __all__ = ["LlavaDataset", "PromptInputs", "SkippedRecord"]

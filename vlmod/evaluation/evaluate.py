@@ -146,10 +146,11 @@ def _encode(ds: Any, records: Sequence[Any], strict: bool) -> tuple[list[Any], l
     kept, items, prompts, failed = [], [], [], []
     for record in records:
         try:
-            item, prompt = ds.encode(record), ds.prompt_inputs(record)
+            item, prompt = ds.eval_inputs(record)
         except (DataError, OSError) as e:
             if strict:
-                raise EvalError(f"record {record.id!r}: cannot load its image/video: {e}") from None
+                raise EvalError(str(e) if isinstance(e, DataError) else
+                                f"record {record.id!r}: cannot load its image/video: {e}") from None
             failed.append(record.id)
             continue
         kept.append(record)
@@ -230,8 +231,7 @@ def evaluate(
         # prompt and its answer.
         inputs = _to(collate([p.inputs for p in prompts], ds.pad_token_id, "left"), device)
         timed = inputs if timed is None else timed
-        new_tokens = generate(model, inputs, max_new_tokens)
-        prefill = _prefill_trace(model, inputs) if parts else None
+        new_tokens, prefill = _generate_traced(model, inputs, max_new_tokens, generate, bool(parts))
         rows = len(records)
         counted, dense_counted = flops_fn(model, inputs, prefill), generation_flops(model, inputs, None)
         flops += counted["total"] * rows
@@ -275,11 +275,20 @@ def evaluate(
     )
 
 
-def _prefill_trace(model: nn.Module, inputs: dict[str, Tensor]) -> Any:
-    """What each MoD layer processed in one prefill of `inputs`, as `generation_flops` reads it."""
+def _generate_traced(model: nn.Module, inputs: dict[str, Tensor], max_new_tokens: int, generate: Generate,
+                     routed: bool) -> tuple[Tensor, Any]:
+    """The new tokens and, for a MoD model (`routed`), what each MoD layer processed in the
+    prefill, as `generation_flops` reads it: the generation's own first forward, traced, or (a
+    `generate` that runs no traced forward) one prefill more."""
+    if not routed:
+        return generate(model, inputs, max_new_tokens), None
+    with trace_routing(model) as trace:
+        new_tokens = generate(model, inputs, max_new_tokens)
+    if trace.steps:
+        return new_tokens, trace.first_step()
     with trace_routing(model) as trace:
         model(**inputs, logits_to_keep=1)
-    return trace
+    return new_tokens, trace
 
 
 def folder_labels(paths: list[str]) -> list[str]:

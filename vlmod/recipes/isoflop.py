@@ -45,7 +45,7 @@ def isoflop_models(recipe: Any) -> list[dict[str, Any]]:
     s, dims = recipe.s, recipe.dims
     every_other = list(range(1, s.layers, 2))
     recipe_layers = list(range(1, s.layers))
-    counts = token_counts(recipe.processor, recipe.val_json, s)
+    counts = token_counts(recipe.val_set(s.frames), s)
     goal = frontier.solve_capacity(dims, counts, s.goal, recipe_layers, s.schedule)
     return [
         {"name": "paper", "layers": every_other, "capacity": PAPER_CAPACITY, "schedule": None,

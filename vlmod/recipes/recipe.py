@@ -42,12 +42,13 @@ import torch
 from transformers import AutoProcessor
 
 from vlmod.bench.timing import keeps_threads
+from vlmod.data import LlavaDataset, load_records
 from vlmod.data.synthetic import generate
 from vlmod.errors import InputError
 from vlmod.evaluation import frontier
 from vlmod.evaluation.evaluate import evaluate
 from vlmod.io.files import save_pretrained_atomic, write_json, write_text
-from vlmod.io.hf import load_pretrained
+from vlmod.io.hf import load_pretrained, max_positions
 from vlmod.models import tiny
 from vlmod.recipes.cost import format_costs, run_cost
 from vlmod.recipes.methods import PointEvaluations
@@ -85,23 +86,20 @@ class _Stages:
         return value
 
 
-def token_counts(processor: Any, data: Path, s: RecipeSettings, limit: int = 64) -> Any:
-    """Mean text and vision tokens of the eval prompts (the first `limit`)."""
-    from vlmod.data import LlavaDataset, load_records
+def token_counts(dataset: Any, s: RecipeSettings, limit: int = 64) -> Any:
+    """Mean text and vision tokens of the eval prompts of `dataset` (a `LlavaDataset`, the first
+    `limit` records)."""
     from vlmod.evaluation.frontier import TokenCounts
 
-    records = load_records(data)[:limit]
-    ds = LlavaDataset(records, processor, data.parent, num_frames=s.frames)
-    tok = processor.tokenizer
-    media = tok.convert_tokens_to_ids("<video>" if s.task == "video" else "<image>")
+    records = dataset.records[:limit]
+    media = dataset.processor.tokenizer.convert_tokens_to_ids("<video>" if s.task == "video" else "<image>")
     text = vision = 0.0
-    for i in range(len(ds.records)):
-        inputs = ds.prompt_inputs(i).inputs
+    for record in records:
+        inputs = dataset.eval_inputs(record)[1].inputs
         n_vision = int((inputs["input_ids"] == media).sum())
         vision += n_vision
         text += int(inputs["attention_mask"].sum()) - n_vision
-    n = len(ds.records)
-    return TokenCounts(text=text / n, vision=vision / n, frames=s.frames if s.task == "video" else 1)
+    return TokenCounts(text=text / len(records), vision=vision / len(records), frames=s.frames if s.task == "video" else 1)
 
 
 @keeps_threads  # --threads applies to the recipe, not to what runs after it in the process
@@ -157,6 +155,7 @@ class _Recipe(PointEvaluations):
         # What every later stage starts from.
         self.dense = out / REFINED_RUN / "model" if s.refine_steps else self.first_dense
         self.trained: dict[str, float] = {}  # --reuse-trained: the earlier run's training seconds per run
+        self.val_sets: dict[tuple[int, int | None], Any] = {}  # `val_set`
 
     # -- the dense model -----------------------------------------------------------------------
 
@@ -275,12 +274,25 @@ class _Recipe(PointEvaluations):
     def evaluated(self, model: Any, name: str, baseline: bool = False, **kw: Any) -> Any:
         """`baseline`: one of the other methods, on the first `baseline_samples` questions."""
         s = self.s
-        report = evaluate(model, self.processor, self.val_json, batch_size=s.eval_batch_size, max_new_tokens=4,
-                          progress=self.progress, name=name, num_frames=kw.pop("num_frames", s.frames),
-                          limit=s.baseline_samples if baseline else None, **kw)
+        limit = s.baseline_samples if baseline else None
+        report = evaluate(model, self.processor, self.val_set(kw.pop("num_frames", s.frames), limit),
+                          batch_size=s.eval_batch_size, max_new_tokens=4, progress=self.progress, name=name,
+                          limit=limit, **kw)
         self.log(f"   {name}: accuracy {100 * report.accuracy:.1f}%, answer loss {report.answer_loss:.3f}, "
                  f"LM GFLOPs {report.flops_by_part['language'] / 1e9:.4f}")
         return report
+
+    def val_set(self, frames: int, limit: int | None = None) -> Any:
+        """The validation set at `frames` a clip (its first `limit` records; a set of them all
+        serves any limit), read once: every evaluation of the run shares its decoded clips and
+        processed prompts (a clip decoded once, not once a method and point)."""
+        for key in ((frames, None), (frames, limit)):
+            if key in self.val_sets:
+                return self.val_sets[key]
+        self.val_sets[frames, limit] = LlavaDataset(
+            load_records(self.val_json)[:limit], self.processor, self.val_json.parent, num_frames=frames, cache=True,
+            max_tokens=max_positions(self.dense_model))
+        return self.val_sets[frames, limit]
 
     def evaluate_dense(self) -> None:
         s = self.s
@@ -290,9 +302,9 @@ class _Recipe(PointEvaluations):
         # The compute points are solved on the prompts each method answers: MoD (and dense) all of
         # them, the other methods the first `baseline_samples`; at 8x the text is most of what runs,
         # so the counts of the eval set's first prompts alone put those methods off their points.
-        self.counts = self.stages.run("count tokens", lambda: token_counts(self.processor, self.val_json, s, s.num_val))
+        self.counts = self.stages.run("count tokens", lambda: token_counts(self.val_set(s.frames), s, s.num_val))
         few = s.baseline_samples and s.baseline_samples < s.num_val
-        self.baseline_counts = token_counts(self.processor, self.val_json, s, s.baseline_samples) if few else self.counts
+        self.baseline_counts = token_counts(self.val_set(s.frames), s, s.baseline_samples) if few else self.counts
         # The projector runs on every vision token that enters it (a linear cost per token).
         self.projector_per_token = projector_flops(self.dense_model, 1.0, trains=False)["forward"]
         report = self.stages.run("eval dense", lambda: self.evaluated(self.dense_model, "dense"))
