@@ -3,6 +3,7 @@ reduction, frame subsampling, set_capacity and capacity-elastic fine-tuning, and
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from pathlib import Path
@@ -382,6 +383,37 @@ def test_reduction_refuses_what_it_cannot_rank() -> None:
     llava, _ = tiny.build("llava")
     with pytest.raises(ValueError, match="keep must be in"):
         PreLLMReduction(llava, 0.0)
+
+
+def test_the_feature_rankings_reduce_a_siglip_tower(model_and_processor: tuple, batch: dict, video_set: Path) -> None:
+    """Deviation and novelty read only the features the projector gets: a SigLIP tower (no CLS,
+    every feature kept) reduces as a CLIP one; the attention rankings refuse it in one line."""
+    import transformers
+
+    model, processor = model_and_processor
+    config = copy.deepcopy(model.config)
+    vision = config.vision_config
+    config.vision_config = transformers.SiglipVisionConfig(
+        hidden_size=vision.hidden_size, intermediate_size=vision.intermediate_size, num_hidden_layers=vision.num_hidden_layers,
+        num_attention_heads=vision.num_attention_heads, image_size=vision.image_size, patch_size=vision.patch_size)
+    config.vision_feature_select_strategy = "full"
+    torch.manual_seed(0)
+    siglip = type(model)(config).eval()
+    with torch.no_grad():
+        full = PreLLMReduction(siglip, 1.0, "novelty")
+        real = batch["attention_mask"].bool()
+        assert torch.equal(full(**batch).logits[real], siglip(**batch).logits[real])
+        reducer = PreLLMReduction(siglip, 0.25, "novelty")
+        reducer(**batch)
+        vision = (batch["input_ids"] == config.video_token_id).sum(1)
+        assert reducer.last_length == int((batch["attention_mask"].sum(1) - vision + (vision + 3) // 4).max())
+        inputs = _prompts(video_set, processor)
+        new = reducer.generate(**inputs, max_new_tokens=2, do_sample=False)
+        assert new.shape == (3, inputs["input_ids"].shape[1] + 2)
+    assert reduction_flops(reducer, batch)["language"] < reduction_flops(full, batch)["language"]
+    for scoring in ("cls", "mean"):
+        with pytest.raises(ValueError, match="siglip_vision_model: scoring='deviation' or 'novelty' read the features"):
+            PreLLMReduction(siglip, 0.5, scoring)
 
 
 def test_reduction_refuses_images_and_clips_in_one_batch(model_and_processor: tuple, batch: dict) -> None:

@@ -147,10 +147,9 @@ def _encode(ds: Any, records: Sequence[Any], strict: bool) -> tuple[list[Any], l
     for record in records:
         try:
             item, prompt = ds.eval_inputs(record)
-        except (DataError, OSError) as e:
+        except DataError as e:  # its media, broken since the set was read
             if strict:
-                raise EvalError(str(e) if isinstance(e, DataError) else
-                                f"record {record.id!r}: cannot load its image/video: {e}") from None
+                raise EvalError(str(e)) from None
             failed.append(record.id)
             continue
         kept.append(record)

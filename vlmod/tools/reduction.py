@@ -29,8 +29,10 @@ Selection is the engine's: text is protected, the top-k vision tokens of each ro
 order (`vlmod.routing.selection`), and the kept sequence is left-padded for generation.
 
 Supported: `LlavaForConditionalGeneration` (images) and `LlavaNextVideoForConditionalGeneration`
-(videos) with a CLIP tower (a CLS token). Cost counted by `reduction_flops`: the dense tower, the
-CLS query and the keys of one tower layer, and the language model on the kept tokens.
+(videos); the attention rankings need a CLIP tower (a CLS token), the feature rankings any tower
+(SigLIP's too). Cost counted by `reduction_flops`: the dense tower, the scoring (the CLS query or
+every query and the keys of one tower layer; a few FLOPs a feature), and the language model on
+the kept tokens.
 
 Stacked on MoD: `model` may carry MoD language layers (`vlmod.apply_mod`); the kept vision tokens
 then compete for that model's k slots as usual. The language model is called with embeddings, in
@@ -61,19 +63,29 @@ SCORINGS = ("cls", "mean", "deviation", "novelty")
 FEATURE_SCORINGS = ("deviation", "novelty")  # read the features alone: no attention, no tower hook
 
 
-def _check(model: nn.Module) -> None:
+def _check(model: nn.Module, scoring: str) -> None:
+    """The attention rankings read one CLIP tower layer's CLS and patch queries; the feature
+    rankings read only the features the projector gets, so any tower (SigLIP's too) and feature
+    layout will do."""
     name = type(model).__name__
     if name not in ("LlavaForConditionalGeneration", "LlavaNextVideoForConditionalGeneration"):
         raise TypeError(
             f"pre-LLM reduction supports LlavaForConditionalGeneration and LlavaNextVideoForConditionalGeneration, "
             f"not {name}"
         )
+    if scoring in FEATURE_SCORINGS:
+        return
+    ranked_by = f"scoring={scoring!r} ranks patches by a CLIP tower's attention"
+    features = "scoring='deviation' or 'novelty' read the features alone"
     if getattr(model.config.vision_config, "model_type", "") != "clip_vision_model":
-        raise ValueError("pre-LLM reduction ranks patches by the attention of the tower's CLS token; this tower has none")
+        raise ValueError(f"pre-LLM reduction: {ranked_by} (its CLS token's, or every query's); this tower is "
+                         f"{model.config.vision_config.model_type}: {features}")
     if model.config.vision_feature_select_strategy != "default":
-        raise ValueError("pre-LLM reduction needs vision_feature_select_strategy='default' (the CLS token dropped)")
+        raise ValueError(f"pre-LLM reduction: {ranked_by} with vision_feature_select_strategy='default' (the CLS "
+                         f"token dropped); {features}")
     if not isinstance(model.config.vision_feature_layer, int):
-        raise ValueError("pre-LLM reduction needs one vision_feature_layer (the model concatenates several)")
+        raise ValueError(f"pre-LLM reduction: {ranked_by} in one layer, and this model concatenates several "
+                         f"(vision_feature_layer); {features}")
 
 
 class PreLLMReduction(nn.Module):
@@ -86,11 +98,11 @@ class PreLLMReduction(nn.Module):
 
     def __init__(self, model: nn.Module, keep: float, scoring: str = "cls", contextual: float = 0.0):
         super().__init__()
-        _check(model)
-        if not 0.0 < keep <= 1.0:
-            raise ValueError(f"keep must be in (0, 1] (the fraction of vision tokens kept), got {keep}")
         if scoring not in SCORINGS:
             raise ValueError(f"scoring must be one of {', '.join(SCORINGS)}, got {scoring!r}")
+        _check(model, scoring)
+        if not 0.0 < keep <= 1.0:
+            raise ValueError(f"keep must be in (0, 1] (the fraction of vision tokens kept), got {keep}")
         if not 0.0 <= contextual < 1.0:
             raise ValueError(f"contextual must be in [0, 1) (the share of the kept tokens that are merged), got {contextual}")
         self.model = model
