@@ -515,28 +515,34 @@ def test_prompt_inputs_batch_and_generate(data_dir, llava):
             {"from": "human", "value": "<image>\nwhat ?"}, {"from": "gpt", "value": "red"}]})
 
 
-def test_eval_inputs_decode_each_video_once_and_match_encode_and_prompt(data_dir, monkeypatch):
-    """An evaluation's item and prompt share one decoding of the clip; a cached set decodes it once
-    for every later evaluation (the recipe evaluates ~25 models and points on one set)."""
+def test_a_cached_set_decodes_each_video_once_and_eval_inputs_match_encode_and_prompt(data_dir, monkeypatch):
+    """With `cache`, the check when the set is read decodes each clip once, and the training items
+    and evaluation prompts of every record showing it read that decoding (a recipe trains five
+    stages and evaluates ~60 models and points on its sets); without it an evaluation's item and
+    prompt still share one decoding."""
     from vlmod.data import video
 
     processor = tiny.build("llava_next_video")[1]
-    ds = LlavaDataset(data_dir / "video_val.json", processor, num_frames=8, cache=True)
     loads = []
     real = video.load_video
-    monkeypatch.setattr(video, "load_video", lambda *a, **k: loads.append(a[0]) or real(*a, **k))
-    record = ds.records[0]
-    item, prompt = ds.eval_inputs(record)
-    assert len(loads) == 1
-    assert ds.eval_inputs(record)[0] is item and len(loads) == 1  # kept
-    expected_item, expected_prompt = ds.encode(record), ds.prompt_inputs(record)
-    for key, value in expected_item.items():
-        assert torch.equal(item[key], value), key
-    for key, value in expected_prompt.inputs.items():
-        assert torch.equal(prompt.inputs[key], value), key
-    assert prompt.answer == expected_prompt.answer
-    assert prompt.inputs["pixel_values_videos"] is item["pixel_values_videos"]  # one copy of the pixels
-    uncached = LlavaDataset(data_dir / "video_val.json", processor, num_frames=8)
+    monkeypatch.setattr(video, "load_video", lambda *a, **k: loads.append(str(a[0])) or real(*a, **k))
+    records = _records(data_dir, "video_train")[:6]
+    records += [dict(r, id=f"{r['id']}-again") for r in records[:3]]  # a clip asked about twice
+    ds = LlavaDataset(records, processor, image_root=data_dir, num_frames=8, cache=True)
+    assert sorted(loads) == sorted({str(r.video_path) for r in ds.records})  # each clip once
+    loads.clear()
+    items = [ds[i] for i in range(len(ds))]
+    pairs = [ds.eval_inputs(r) for r in ds.records]
+    assert loads == [] and ds.eval_inputs(ds.records[0])[0] is pairs[0][0]
+    for record, item, (eval_item, prompt) in zip(ds.records, items, pairs, strict=True):
+        expected_prompt = ds.prompt_inputs(record)
+        for key, value in item.items():
+            assert torch.equal(eval_item[key], value), key
+        for key, value in expected_prompt.inputs.items():
+            assert torch.equal(prompt.inputs[key], value), key
+        assert prompt.answer == expected_prompt.answer
+        assert prompt.inputs["pixel_values_videos"] is eval_item["pixel_values_videos"]  # one copy of the pixels
+    uncached = LlavaDataset(records, processor, image_root=data_dir, num_frames=8)
     loads.clear()
     uncached.eval_inputs(uncached.records[0])
     uncached.eval_inputs(uncached.records[0])

@@ -92,9 +92,10 @@ class LlavaDataset(torch.utils.data.Dataset):
         Without it, media are only checked to exist, and a record that fails to load later is
         counted then (in the process that reads it: a DataLoader worker keeps its own count) and
         replaced by the next one.
-    cache: keep each item (and each evaluation's item and prompt, `eval_inputs`) after its first
-        read, so later epochs (or the next model evaluated) skip media decoding and the processor
-        (small sets such as the synthetic one; memory grows with the set).
+    cache: keep each file's decoded media, each item and each evaluation's item and prompt
+        (`eval_inputs`) after its first read, so the check when the set is read decodes each file
+        once for everything after it and later epochs (or the next model evaluated) skip decoding
+        and the processor (small sets such as the synthetic one; memory grows with the set).
     max_tokens: the model's positions: a record whose text alone is longer is refused now, in
         one `DataError` line, before any work (a 1 MB question would otherwise keep a model busy
         for minutes). None: not checked.
@@ -146,6 +147,7 @@ class LlavaDataset(torch.utils.data.Dataset):
         self.cache = cache
         self._item_cache: dict[int, dict[str, Tensor]] = {}
         self._eval_cache: dict[int, tuple[LlavaRecord, dict[str, Tensor], PromptInputs]] = {}
+        self._media_cache: dict[tuple[Path, ...], tuple[list[Any], list[Any]]] = {}
         for r in parsed:
             last_assistant(to_messages(r), r.id)  # a malformed record is an error, not a skip
             if max_tokens is not None:
@@ -185,11 +187,19 @@ class LlavaDataset(torch.utils.data.Dataset):
         return list(record.images) + ([record.video_path] if record.video_path is not None else [])
 
     def _load_media(self, record: LlavaRecord) -> tuple[list[Any], list[Any]]:
+        """(images, videos) of `record`; with `cache`, each file set decoded once for the dataset's
+        life: the check when the set is read, the training items and the evaluation prompts of
+        every record showing it (a clip asked about and captioned) share one decoding."""
         from vlmod.data.video import load_video
 
+        key = tuple(self._media_paths(record))
+        if key in self._media_cache:
+            return self._media_cache[key]
         images = [load_image(p) for p in record.images]
         videos = [to_frame_count(load_video(record.video_path, self.num_frames, short_side=self._frame_side).frames,
                                  self.num_frames)] if record.video_path is not None else []
+        if self.cache:
+            self._media_cache[key] = images, videos
         return images, videos
 
     def _skip(self, record: LlavaRecord, error: BaseException) -> None:
