@@ -198,6 +198,27 @@ def test_reduction_flops_are_the_kept_tokens(model_and_processor: tuple, batch: 
     assert tower < counted["vision"] < tower * 1.05  # the tower plus its CLS scoring
 
 
+def test_reduction_flops_count_a_routed_tower_on_the_patches_it_ran(batch: dict) -> None:
+    """At 8x the tower is most of what the stack leaves; routed, its MoD layer counts the patches
+    it ran (from the prefill's trace), as `generation_flops` counts it without a reduction."""
+    from vlmod.routing.trace import trace_routing
+    from vlmod.tools.flops import processed_counts
+
+    model, _ = tiny.build("llava_next_video", width=64, layers=4, vision_width=32, vision_layers=2, image_size=32,
+                          patch_size=4, vision_feature_layer=-1, seed=1)
+    vlmod.apply_mod(model, vlmod.MoDConfig(capacity=0.5, layers=[1], routable=("image",), router="stride"), part="vision")
+    reducer = PreLLMReduction(model, 0.25, "novelty")
+    with torch.no_grad(), trace_routing(model) as trace:
+        reducer(**batch)
+    dense, routed = reduction_flops(reducer, batch), reduction_flops(reducer, batch, trace)
+    counts = processed_counts(trace.processed, "vision")
+    assert counts == {1: 33.0}  # half the 64 patches, and the CLS, which always runs
+    dims = hf_vision_dims(model.config.vision_config)
+    frames = batch["pixel_values_videos"].shape[1]
+    assert dense["vision"] - routed["vision"] == pytest.approx((vit_flops(dims) - vit_flops(dims, counts)) * frames)
+    assert routed["language"] == dense["language"]
+
+
 def test_reduction_stacked_on_mod_routes_the_kept_vision_tokens(model_and_processor: tuple, batch: dict,
                                                                  video_set: Path) -> None:
     """Behind a pre-LLM reduction the language model gets embeddings, where a vision feature is

@@ -383,8 +383,9 @@ def reduction_flops(reducer: PreLLMReduction, inputs: Mapping[str, Any], trace: 
     """Prefill FLOPs per sequence of the reduced model: the dense tower plus the scoring (the CLS
     query, or every query, and every key of one tower layer, and their attention) and the
     contextual tokens' similarities (where `contextual`), and the
-    language model on the kept tokens (`vlmod.tools.flops`): a MoD layer of a stacked model on the
-    tokens it ran in `trace` (the prefill's `RoutingTrace`), where given."""
+    language model on the kept tokens (`vlmod.tools.flops`): a MoD layer of a stacked model (of its
+    language model or its tower) on the tokens it ran in `trace` (the prefill's `RoutingTrace`),
+    where given."""
     from vlmod.tools.flops import (
         DecoderDims,
         cls_attention_flops,
@@ -406,7 +407,8 @@ def reduction_flops(reducer: PreLLMReduction, inputs: Mapping[str, Any], trace: 
     else:
         scoring = cls_attention_flops(dims, 1 if reducer.scoring == "cls" else dims.num_tokens)
         vision = 0.0
-    vision += ((vit_flops(dims) + scoring) * frames + frame_pooling_flops(reducer.model, inputs)) / batch
+    tower = vit_flops(dims, processed_counts(trace.processed, "vision") if trace is not None else None)
+    vision += ((tower + scoring) * frames + frame_pooling_flops(reducer.model, inputs)) / batch
     if reducer.contextual > 0:  # each merged token's cosine similarity to every target of its row
         dominant, context = reducer._split(n_vision)
         dim = cfg.text_config.hidden_size
