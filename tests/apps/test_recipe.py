@@ -78,11 +78,12 @@ def test_recipe_writes_every_method_at_every_compute_point(task: str, image_run:
         assert len(r["correct"]) == r["samples"] == n and r["correct"].count("1") == round(r["accuracy"] * n)
     tower = next(r for r in rows if r["method"] == "learned+vision")
     assert tower["gflops"]["vision"] < dense["gflops"]["vision"]
+    # Both recipes' towers first learn the images' patches (vlmod.training.tower_pretrain), then go on learning.
+    assert "pretrain tower" in saved["stage_seconds"] and (out / "tower" / "log.json").is_file()
+    first_stage = "image" if task == "video" else "dense"
+    assert json.loads((out / first_stage / "train_log.json").read_text())["config"]["model"] == str(out / "tower" / "model")
     if task == "video":
         assert "train on images" in saved["stage_seconds"]  # the video model starts from the image stage
-        # ... whose tower first learned the images' patches (vlmod.training.tower_pretrain), then went on learning.
-        assert "pretrain tower" in saved["stage_seconds"] and (out / "tower" / "log.json").is_file()
-        assert json.loads((out / "image" / "train_log.json").read_text())["config"]["model"] == str(out / "tower" / "model")
         for name in ("train", "video_train"):  # its dense stages see every object named (captions)
             records = json.loads((out / "data" / f"{name}.json").read_text())
             assert sum(r["meta"]["type"] == "caption" for r in records) == len(records) // 2
@@ -357,6 +358,8 @@ def test_synthetic_finetune_configs_match_the_recipe(task: str, prefix: str) -> 
     assert dense.trainable == "full" and dense.train_vision_tower and dense.num_frames == s.frames
     assert (mod.lr, mod.router_lr, mod.max_steps, mod.batch_size) == (s.mod_lr, s.router_lr, s.mod_steps, s.batch_size)
     assert mod.trainable == "language" and not mod.train_vision_tower
+    if task == "image":  # the dense stage starts from the pretrained tower
+        assert dense.model.endswith("tower/model") and f"--steps {s.tower_steps}" in (root / f"{prefix}-dense.yaml").read_text()
     if task == "video":
         stack = TrainConfig.from_dict(read_yaml_mapping(root / "synthetic-video-stack.yaml", TrainError))
         assert (stack.lr, stack.router_lr, stack.max_steps) == (s.stack_lr, s.router_lr, s.stack_steps)
