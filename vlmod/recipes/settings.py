@@ -119,7 +119,7 @@ class RecipeSettings:
             raise InputError(f"--task must be one of {', '.join(TASKS)}, got {task!r}")
         base: dict[str, Any] = {"task": task}
         if task == "image":
-            # Tower pretraining: the dense model 91.6% -> 99.5% (shape 71.0% -> 98.3%; seed 0, all
+            # Tower pretraining: the dense model 91.6% -> 99.5% (shape 71.0% -> 98.3% at stage 3; seed 0, all
             # 2,400 questions). Refinement, which lifted video's `when`, left it at 99.5%: not on.
             base.update(stack_train_from=1.0, tower_steps=1500)
         if isoflop:
