@@ -731,14 +731,37 @@ def test_the_gap_to_dense_is_paired_per_question() -> None:
     # A baseline that answered the first 50 questions is paired with MoD on those 50 only.
     assert paired_gap(swapped, _row("dense", "1" * 50)) == pytest.approx((-20.0, -31.3, -8.7), abs=0.1)
     one_off = _row("learned", "0" + "1" * 89 + "0" * 10, 3.0, 3.0)  # -1 point, one question
-    lines = verdicts([dense, one_off])
+    lines = verdicts([dense, one_off], {3.0: 1.0})
     assert lines[0].startswith("/3 (3.00x fewer LM FLOPs measured): MoD 89.0% (-1.0 points vs dense, 95% interval")
-    assert "met (at 3.00x), but the 95% interval" in lines[-1] and "within this eval set's noise" in lines[-1]
-    assert "stays within it" in verdicts([dense, same])[-1]
+    assert "met by MoD (at 3.00x" in lines[-1] and "within this eval set's noise" in lines[-1]
+    assert "the interval stays within it" in verdicts([dense, same], {3.0: 1.0})[-1]
     # A point whose interval stays within the goal wins over a more reducing one inside the noise.
     further = _row("learned", "0" + "1" * 89 + "0" * 10, 3.5, 3.6)
-    assert "met (at 3.00x); the 95% interval" in verdicts([dense, same, further])[-1]
-    assert verdicts([dense, swapped])[-1].endswith("NOT met")
+    assert "met by MoD (at 3.00x" in verdicts([dense, same, further], {3.0: 1.0})[-1]
+    assert verdicts([dense, swapped], {3.0: 1.0})[-1].endswith("NOT met (MoD 80.0% at 3.00x)")
+    assert verdicts([dense], {8.0: 2.0})[-1].endswith("out of reach")
+
+
+def test_the_goals_read_the_best_of_ours_against_dense_and_the_control() -> None:
+    """MoD alone or stacked on the reduction, whichever is more accurate at a point, stands for
+    ours; each goal has its own tolerance, and a control gets its own verdict."""
+    from vlmod.evaluation.frontier import verdicts
+
+    dense = _row("dense", "1" * 95 + "0" * 5)
+    control = _row("dense-control", "1" * 96 + "0" * 4)
+    mod = _row("learned", "1" * 85 + "0" * 15, 3.0, 3.0)  # -10 points
+    stacked = _row("stacked", "1" * 95 + "0" * 5, 3.0, 3.05)  # on par
+    far = _row("stacked", "1" * 93 + "0" * 7, 8.0, 8.0)  # -2 points: inside 8x's 2, not 5x's 1
+    lines = verdicts([dense, control, mod, stacked, far], {3.0: 1.0, 5.0: 1.0, 8.0: 2.0})
+    assert lines[0].startswith("/3 (3.05x fewer LM FLOPs measured): MoD stacked on pre-LLM reduction 95.0%")
+    assert "; MoD 85.0%: best of all methods" in lines[0]
+    assert "MoD alone out of reach" in lines[1]
+    goal3, goal5, goal8 = lines[-3:]
+    assert goal3.startswith("goal (3x fewer LM prefill FLOPs within 1 point of dense 95.0%): met by MoD stacked")
+    assert "of the control 96.0%: met by MoD stacked on pre-LLM reduction (at 3.05x, -1.0 points vs the control" in goal3
+    assert goal5.endswith("out of reach; of the control 96.0%: out of reach")
+    assert "within 2 points of dense 95.0%): met by MoD stacked" in goal8
+    assert "of the control 96.0%: NOT met (MoD stacked on pre-LLM reduction 93.0% at 8.00x)" in goal8
 
 
 def test_a_baseline_on_the_first_questions_is_compared_with_mod_on_the_same_questions() -> None:
@@ -754,7 +777,7 @@ def test_a_baseline_on_the_first_questions_is_compared_with_mod_on_the_same_ques
     stacked = _row("stacked", "1" * 30 + "0" * 10, 8.0, 8.0)
     reduce = _row("reduce", "1" * 35 + "0" * 5, 8.0, 8.0)
     line = verdicts([dense, mod, stacked, reduce])[1]
-    assert line.startswith("/8 (8.00x fewer LM FLOPs measured): MoD out of reach; MoD stacked on pre-LLM reduction 75.0%")
+    assert line.startswith("/8 (8.00x fewer LM FLOPs measured): MoD stacked on pre-LLM reduction (MoD alone out of reach) 75.0%")
     assert line.endswith("beaten by reduce (87.5%)")
 
 
