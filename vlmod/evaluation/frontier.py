@@ -332,21 +332,22 @@ def _goal_verdict(rows: Sequence[Mapping[str, Any]], reference: Mapping[str, Any
                   points: float, name: str = "dense") -> str:
     """Whether our best row at `goal`x (measured, within 3%) is within `points` of `reference`,
     and whether its paired 95% interval stays within them."""
+    lowest = -points - 1e-9  # the lowest gap in points that is within (exactly `points` under is)
     reached = [r for r in rows if r["method"] in OURS and r["language_reduction"] >= goal * 0.97
                and r["target"] is not None and r["target"] <= goal * 1.5]
-    ok = [r for r in reached if 100 * (r["accuracy"] - reference["accuracy"]) >= -points - 1e-9]
+    ok = [r for r in reached if 100 * (r["accuracy"] - reference["accuracy"]) >= lowest]
     if not reached:
         return "out of reach"
     if not ok:
         best = max(reached, key=lambda r: r["accuracy"])
         return f"NOT met ({_name(best)} {100 * best['accuracy']:.1f}% at {best['language_reduction']:.2f}x)"
     # The most reducing row whose interval stays within the goal, else the most reducing one.
-    proven = [r for r in ok if (g := paired_gap(r, reference)) is not None and g[1] >= -points - 1e-9]
+    proven = [r for r in ok if (g := paired_gap(r, reference)) is not None and g[1] >= lowest]
     best = max(proven or ok, key=lambda r: (r["language_reduction"], r["accuracy"]))
     verdict = f"met by {_name(best)} (at {best['language_reduction']:.2f}x, {_gap_text(best, reference, name)})"
     gap = paired_gap(best, reference)
     if gap is not None:  # is the point estimate more than this eval set's noise?
-        verdict += ("; the interval stays within it" if gap[1] >= -points - 1e-9
+        verdict += ("; the interval stays within it" if gap[1] >= lowest
                     else f", but the interval reaches past -{points:g}: within this eval set's noise")
     return verdict
 
