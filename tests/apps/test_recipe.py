@@ -309,6 +309,8 @@ def test_recipe_settings_refuse_bad_values(tmp_path: Path, capsys: pytest.Captur
     assert "stack_train_from is an LM FLOPs reduction >= 1 (1: every stacked point), got 0.5" in capsys.readouterr().err
     assert main(["recipe", "--quick", "--out", str(tmp_path / "run"), "--task", "video", "--video-pool", "mean"]) == 2
     assert "video_pool must be one of average, max, conv, got 'mean'" in capsys.readouterr().err
+    assert main(["recipe", "--quick", "--out", str(tmp_path / "run"), "--distractors", "5"]) == 2
+    assert "distractors is the number of extra shapes in an image scene, 0 to 4, got 5" in capsys.readouterr().err
     for argv, message in [(["--task", "image", "--image-model", str(tmp_path)], "for --task video"),
                           (["--task", "video", "--image-model", str(tmp_path)], "no config.json")]:
         assert main(["recipe", "--quick", "--out", str(tmp_path / "run"), *argv]) == 2

@@ -20,6 +20,8 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("frames", positive_int, "frames per clip (video task)"),
     ("video_pool", str, "pooling of each frame's 2x2 patches (video task): average, max, or conv (learned, "
                         "starts as average)"),
+    ("distractors", int_at_least(0), "the image questions' scenes: up to N shapes besides the one a colour, shape or "
+                                     "position question asks about (0-4; the video task's image stage learns on them)"),
     ("width", positive_int, "language model width"),
     ("layers", positive_int, "language model layers"),
     ("vision_width", positive_int, "vision tower width"),

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from vlmod.data.scenes import MAX_DISTRACTORS
 from vlmod.errors import InputError
 from vlmod.tools.reduction import SCORINGS
 
@@ -177,6 +178,9 @@ class RecipeSettings:
                              f"{self.reduce_contextual}")
         if self.stack_scoring not in SCORINGS:
             raise InputError(f"stack_scoring must be one of {', '.join(SCORINGS)}, got {self.stack_scoring!r}")
+        if not 0 <= self.distractors <= MAX_DISTRACTORS:
+            raise InputError(f"distractors is the number of extra shapes in an image scene, 0 to {MAX_DISTRACTORS}, got "
+                             f"{self.distractors}")
         if self.video_pool not in VIDEO_POOLS:
             raise InputError(f"video_pool must be one of {', '.join(VIDEO_POOLS)}, got {self.video_pool!r}")
         self.targets = tuple(sorted(float(t) for t in self.targets))
