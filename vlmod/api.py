@@ -81,6 +81,9 @@ def apply_mod(model: nn.Module, config: MoDConfig, part: str | None = None) -> n
     # Bound methods, not closures: a deepcopy of the model then gets hooks of its own part.
     part_obj.hooks.append(spec.entry.register_forward_pre_hook(part_obj.pre_hook, with_kwargs=True))
     part_obj.hooks.append(spec.entry.register_forward_hook(part_obj.post_hook))
+    install = getattr(spec.adapter, "install", None)
+    if install is not None:
+        install()
     _store_settings(model)
     return model
 
@@ -113,6 +116,9 @@ def remove_mod(model: nn.Module) -> nn.Module:
             delattr(part.root, ROUTER_ATTR)
         for hook in part.hooks:
             hook.remove()
+        uninstall = getattr(part.adapter, "uninstall", None)
+        if uninstall is not None:
+            uninstall()
         del part.root.__dict__[PART_ATTR]
     _store_settings(model)
     return model

@@ -19,7 +19,7 @@ from __future__ import annotations
 import inspect
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,10 +32,58 @@ from vlmod.plugins.calls import ArgSlot, cache_name, cache_of
 from vlmod.routing import masks
 from vlmod.routing.attention import AttentionQK
 from vlmod.routing.layer import MoDPart
-from vlmod.routing.selection import Selection, TokenLayout
+from vlmod.routing.selection import Selection, TokenLayout, routable_mask
 
 ATTENTION = ("eager", "sdpa", "flash_attention_2")
 IGNORE_INDEX = -100
+VISION_TYPES = frozenset({TokenType.IMAGE, TokenType.VIDEO})
+# {TokenType: vision feature tokens merged in this forward}, on the family's inner model.
+FEATURES_ATTR = "_vlmod_features"
+
+
+class FeatureCounting:
+    """Put in front of a family's inner model class (`model.model`): remembers how many image and
+    video feature tokens its `get_placeholder_mask` was handed, a shape, so a batch of one knows
+    how many of its tokens are routable without reading a tensor (no host sync; transformers
+    itself checks that the placeholders match that count)."""
+
+    def get_placeholder_mask(self, *args: Any, **kwargs: Any) -> Any:
+        mask = super().get_placeholder_mask(*args, **kwargs)  # type: ignore[misc]
+        counter = self.__dict__.get(FEATURES_ATTR)
+        if counter is not None:
+            named = {**dict(zip(type(self)._vlmod_mask_params, args, strict=False)), **kwargs}
+            embeds = named.get("inputs_embeds")
+            for name, kind in (("image_features", TokenType.IMAGE), ("video_features", TokenType.VIDEO)):
+                features = named.get(name)
+                if isinstance(features, Tensor) and embeds is not None:
+                    counter[kind] = counter.get(kind, 0) + features.numel() // embeds.shape[-1]
+        return mask
+
+
+_COUNTING_CLASSES: dict[type, type] = {}
+
+
+def count_features(inner: nn.Module) -> None:
+    """Give `inner` (a family's `model.model`) the `FeatureCounting` class in front of its own,
+    under the same name; a class without `get_placeholder_mask` is left as it is."""
+    cls = type(inner)
+    if issubclass(cls, FeatureCounting) or not hasattr(cls, "get_placeholder_mask"):
+        return
+    if cls not in _COUNTING_CLASSES:
+        params = [p for p in inspect.signature(cls.get_placeholder_mask).parameters if p != "self"]
+        made = type(cls.__name__, (FeatureCounting, cls), {"_vlmod_mask_params": params})
+        made.__qualname__, made.__module__ = cls.__qualname__, cls.__module__
+        _COUNTING_CLASSES[cls] = made
+    inner.__class__ = _COUNTING_CLASSES[cls]
+    inner.__dict__[FEATURES_ATTR] = {}
+
+
+def uncount_features(inner: nn.Module) -> None:
+    """Undo `count_features`."""
+    cls = type(inner)
+    if issubclass(cls, FeatureCounting):
+        inner.__class__ = next(c for c in cls.__mro__[1:] if c is not FeatureCounting and not issubclass(c, FeatureCounting))
+    inner.__dict__.pop(FEATURES_ATTR, None)
 
 
 def language_part(
@@ -97,26 +145,56 @@ class _Batch:
     """What the current forward's MoD layers share."""
 
     layout: TokenLayout
-    positions: Tensor  # [B, L] absolute index in the (padded) sequence: orders keys causally
     past: int = 0  # tokens cached before this forward: positions[b, i] = past + i
+    # The layout's padding and routable count are settled at the first MoD layer, from the mask
+    # transformers hands it (a batch of one, budgets from shapes: no host sync).
+    settle: bool = False
+    # RoPE (cos, sin) of this forward joined into one tensor, by id of cos (Gemma 3 has two).
+    rope: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)
+    _positions: Tensor | None = None
+
+    @property
+    def positions(self) -> Tensor:
+        """[B, L] absolute index in the (padded) sequence: orders keys causally (one arange per
+        forward, on first use)."""
+        if self._positions is None:
+            batch, length = self.layout.shape
+            device = self.layout.routable.device
+            self._positions = torch.arange(self.past, self.past + length, device=device).expand(batch, length)
+        return self._positions
 
 
 class _KeySlots:
     """Absolute positions and validity of the slots one MoD layer's KV cache holds, kept as the
-    chunks each forward appended: a decode step appends a reference, no copy; chunks are joined
-    only when a mask needs them. Unpacks as (positions, validity or None)."""
+    chunks each forward appended: a decode step appends its position as a number (no tensor, no
+    op), and chunks are joined only when a mask needs them. Unpacks as (positions, validity or
+    None)."""
 
     def __init__(self) -> None:
-        self.pos: list[Tensor] = []
+        self.pos: list[Tensor | tuple[int, int, int]] = []  # a tensor [B, n], or (start, n, batch)
         self.valid: list[Tensor | None] = []
         self.length = 0
         self.with_filler = 0  # chunks with a validity tensor: none means every slot is valid
+        self.device: torch.device | None = None
 
     def append(self, pos: Tensor, valid: Tensor | None) -> None:
         self.pos.append(pos)
         self.valid.append(valid)
         self.length += pos.shape[1]
         self.with_filler += valid is not None
+        self.device = pos.device
+
+    def append_range(self, start: int, n: int, batch: int) -> None:
+        """Positions start .. start + n - 1 in every row, all valid (a decode step)."""
+        self.pos.append((start, n, batch))
+        self.valid.append(None)
+        self.length += n
+
+    def _tensor(self, chunk: Tensor | tuple[int, int, int]) -> Tensor:
+        if isinstance(chunk, Tensor):
+            return chunk
+        start, n, batch = chunk
+        return torch.arange(start, start + n, device=self.device).expand(batch, n)
 
     def trim(self, n: int, layer_idx: int) -> None:
         """Keep the first `n` slots (the cache was cropped, or a forward is recomputed)."""
@@ -131,12 +209,14 @@ class _KeySlots:
             self.pos, self.valid, self.length, self.with_filler = [pos[:, :n]], [valid], n, int(valid is not None)
 
     def _join(self) -> None:
-        if len(self.pos) > 1:
+        if len(self.pos) > 1 or (self.pos and not isinstance(self.pos[0], Tensor)):
+            chunks = [self._tensor(p) for p in self.pos]
             valid = None
             if self.with_filler:
-                parts = [torch.ones_like(p, dtype=torch.bool) if v is None else v for p, v in zip(self.pos, self.valid, strict=True)]
+                parts = [torch.ones_like(p, dtype=torch.bool) if v is None else v for p, v in zip(chunks, self.valid, strict=True)]
                 valid = torch.cat(parts, dim=1)
-            self.pos, self.valid, self.with_filler = [torch.cat(self.pos, dim=1)], [valid], int(valid is not None)
+            joined = chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1)
+            self.pos, self.valid, self.with_filler = [joined], [valid], int(valid is not None)
 
     def positions(self) -> Tensor:
         """[B, n] absolute position of each slot."""
@@ -174,6 +254,13 @@ class DecoderAdapter:
         self.batch: _Batch | None = None
         # Per MoD layer: absolute positions and validity of the slots in its KV cache.
         self.cache_slots: dict[int, Any] = {}
+
+    def install(self) -> None:
+        """Called by `apply_mod` once the part is converted (and `uninstall` by `remove_mod`)."""
+        count_features(self.model.model)
+
+    def uninstall(self) -> None:
+        uncount_features(self.model.model)
 
     # -- token types, once per forward -------------------------------------------------------
 
@@ -223,7 +310,6 @@ class DecoderAdapter:
             kwargs = {**dict(zip(self.entry_params, args, strict=False)), **kwargs}
         cache = cache_of(kwargs)
         past_length = int(cache.get_seq_length(0)) if cache is not None else 0
-        types = self.token_types(kwargs, past_length)
         routable = part.config.routable_types
         decoding = past_length > 0
         if decoding and TokenType.RESPONSE in routable and part.config.aux_loss != "bce":
@@ -231,15 +317,72 @@ class DecoderAdapter:
             # causal predictor it always runs.
             routable = tuple(t for t in routable if t != TokenType.RESPONSE)
         threshold = decoding and TokenType.RESPONSE in routable
-        if decoding and not threshold and types.shape[1] == 1:
+        input_ids = kwargs.get("input_ids")
+        counter = self.model.model.__dict__.get(FEATURES_ATTR)
+        if counter is not None:
+            counter.clear()
+        if input_ids is None or "token_types" in self.__dict__ or not set(routable) <= VISION_TYPES:
+            # Text types are routable, or the types come from embeddings (or a caller's own rule):
+            # the general path, with every type computed now and one host sync for the budgets.
+            types = self.token_types(kwargs, past_length)
+            if decoding and not threshold and types.shape[1] == 1:
+                layout = TokenLayout.all_processed(types, routable_mask(types, routable))
+            else:
+                layout = TokenLayout.from_types(types, routable, () if threshold else part.capacities.values())
+                layout.threshold = threshold
+            self.batch = _Batch(layout=layout, past=past_length)
+            return
+        # Image / video tokens are the routable ones: they follow from the ids alone, and the
+        # rest (types for a trace, padding, counts) is computed only if something asks for it.
+        mask = kwargs.get("attention_mask")
+        length = input_ids.shape[1]
+
+        def types() -> Tensor:
+            return self.token_types(kwargs, past_length)
+
+        def padding() -> Tensor | None:
+            if mask is None or mask.dim() != 2:
+                return None
+            return mask[:, -length:].to(input_ids.device) == 0
+
+        def is_vision() -> Tensor:
+            return self._vision_tokens(input_ids, routable)
+
+        if decoding and input_ids.shape[1] == 1:
             # A decode step of generate: one new, real token per row, which runs every layer.
-            layout = TokenLayout.all_processed(types, routable)
-        else:
-            layout = TokenLayout.from_types(types, routable, () if threshold else part.capacities.values())
-            layout.threshold = threshold
-        length = types.shape[1]
-        positions = torch.arange(past_length, past_length + length, device=types.device).expand_as(types)
-        self.batch = _Batch(layout=layout, positions=positions, past=past_length)
+            layout = TokenLayout.all_processed(types, is_vision, tuple(input_ids.shape), input_ids.device)
+            self.batch = _Batch(layout=layout, past=past_length)
+            return
+        layout = TokenLayout(is_vision(), types, padding=padding)
+        impl = self.text_config._attn_implementation
+        settle = input_ids.shape[0] == 1 and impl != "eager"
+        if not settle:
+            layout.prepare(part.capacities.values())  # one host sync, before the tower runs
+        self.batch = _Batch(layout=layout, past=past_length, settle=settle)
+
+    def _vision_tokens(self, input_ids: Tensor, routable: tuple[TokenType, ...]) -> Tensor:
+        """[B, L] bool: the image / video placeholders among `routable` types (an `==` each)."""
+        hit = None
+        for t, token_id in ((TokenType.IMAGE, self.image_token_id), (TokenType.VIDEO, self.video_token_id)):
+            if t in routable and token_id is not None:
+                is_t = input_ids == token_id
+                hit = is_t if hit is None else hit | is_t
+        return torch.zeros_like(input_ids, dtype=torch.bool) if hit is None else hit
+
+    def _settle(self, part: MoDPart, args: tuple, kwargs: dict) -> None:
+        """At the first MoD layer of a batch of one: transformers passes no mask exactly when the
+        batch has no padding (sdpa, flash); then the routable count is the number of vision
+        features the model merged (a shape), and no budget reads a tensor."""
+        batch = self.batch
+        batch.settle = False
+        if self.mask_arg.get(args, kwargs) is not None or batch.past:
+            return
+        batch.layout.no_padding()
+        counter = self.model.model.__dict__.get(FEATURES_ATTR)
+        if not counter:
+            return
+        routable = set(part.config.routable_types)
+        batch.layout.routable_count = sum(n for t, n in counter.items() if t in routable)
 
     def end_forward(self, part: MoDPart, output: Any) -> Any:
         loss = getattr(output, "loss", None)
@@ -259,6 +402,8 @@ class DecoderAdapter:
                 "MoD language layers need the token types computed by the top-level model: call the "
                 f"{type(self.model).__name__} itself (or generate), not its inner language model"
             )
+        if self.batch.settle:
+            self._settle(part, args, kwargs)
         return self.batch.layout
 
     def run(
@@ -271,7 +416,6 @@ class DecoderAdapter:
             args[0] = x_sel
         else:
             kwargs["hidden_states"] = x_sel
-        query_pos = self.batch.positions
         if sel.index is not None:  # every token runs (a decode step): positions stay as they are
             # `gather` takes the [1, L] / [1, L, d] tensors shared by every row as they are.
             position_ids = self.position_ids_arg.get(args, kwargs)
@@ -279,10 +423,12 @@ class DecoderAdapter:
                 self.position_ids_arg.set(args, kwargs, sel.gather(position_ids))
             rope = self.rope_arg.get(args, kwargs)
             if rope is not None:
-                self.rope_arg.set(args, kwargs, (sel.gather(rope[0]), sel.gather(rope[1])))
+                self.rope_arg.set(args, kwargs, self._gather_rope(rope, sel))
             # positions[b, i] = past + i: the selected ones are the index itself, shifted.
             past = self.batch.past
             query_pos = sel.index if past == 0 else sel.index + past
+        else:
+            query_pos = self.batch.positions
         cache = self.cache_arg.get(args, kwargs)
         if self.own_keys:
             mask = self._keys_then_mask(layer_idx, cache, query_pos, sel.valid, x_sel.dtype)
@@ -290,6 +436,19 @@ class DecoderAdapter:
             mask = self._slot_mask(layer_idx, cache, query_pos, sel.valid, x_sel.dtype)
         self.mask_arg.set(args, kwargs, mask)
         return upstream(*args, **kwargs)
+
+    def _gather_rope(self, rope: tuple[Tensor, Tensor], sel: Selection) -> tuple[Tensor, Tensor]:
+        """RoPE (cos, sin) of the selected tokens: one gather of both, joined once per forward
+        (every layer of a forward gets the same pair)."""
+        cos, sin = rope
+        if len(rope) != 2 or cos.shape != sin.shape:
+            return tuple(sel.gather(t) for t in rope)  # type: ignore[return-value]
+        joined = self.batch.rope.get(id(cos))
+        if joined is None or joined[0] is not cos:
+            joined = self.batch.rope[id(cos)] = (cos, torch.cat([cos, sin], dim=-1))
+        both = sel.gather(joined[1])
+        d = cos.shape[-1]
+        return both[..., :d], both[..., d:]
 
     def _run_decode_step(self, upstream: Callable, x: Tensor, args: tuple, kwargs: dict, layer_idx: int) -> Tensor:
         """A decode step of generate (one new token per row, which runs): the states, positions and
@@ -304,7 +463,7 @@ class DecoderAdapter:
             # also says what went wrong).
             mask = self._slot_mask(layer_idx, cache, self.batch.positions, None, x.dtype)
         else:
-            slots.append(self.batch.positions, None)
+            slots.append_range(self.batch.past, 1, x.shape[0])
             mask = None
         if mask is None and self.mask_arg.get(args, kwargs) is None:
             return upstream(*args, **kwargs)

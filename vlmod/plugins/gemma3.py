@@ -157,7 +157,7 @@ class Gemma3Adapter(DecoderAdapter):
         if self.blocks is not None:
             n_new = query_pos.shape[1]
             # The current forward's queries are the last keys; cached keys are text to them.
-            start = int(self.batch.positions[0, 0])
+            start = self.batch.past
             q_block = self.blocks.gather(1, query_pos - start)
             k_block = torch.cat([torch.full_like(key_pos[:, : key_pos.shape[1] - n_new], -1), q_block], dim=1)
             allowed = allowed | masks.same_block(q_block, k_block)

@@ -38,13 +38,40 @@ class Router(nn.Linear):
         if weight is None or bias is None:
             weight, bias = self.weight, self.bias
         if weight.dtype is not torch.float32:  # a no-op .float() still costs a dispatch per layer and step
-            weight, bias = weight.float(), bias.float()
+            weight, bias = self._float_weights(weight, bias)
         if x.dtype is not torch.float32:
             x = x.float()
         if torch.is_autocast_enabled(x.device.type):
             with torch.autocast(x.device.type, enabled=False):
                 return F.linear(x, weight, bias)
         return F.linear(x, weight, bias)
+
+
+    def _float_weights(self, weight: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
+        """Float32 copies of low-precision weights, kept between calls while the weights do not
+        change and no gradient flows to them (inference: two casts fewer per MoD layer and step);
+        recomputed when an optimizer step or a load bumps their version."""
+        if torch.is_grad_enabled() and weight.requires_grad or torch.compiler.is_compiling():
+            return weight.float(), bias.float()
+        key = (weight.data_ptr(), weight._version, bias.data_ptr(), bias._version, weight.device)
+        cached = self.__dict__.get("_vlmod_float")
+        if cached is None or cached[0] != key:
+            cached = (key, weight.detach().float(), bias.detach().float())
+            self.__dict__["_vlmod_float"] = cached
+        return cached[1], cached[2]
+
+
+def _gate_parts(scores: Tensor, kind: str, alpha: float) -> tuple[Tensor, float] | None:
+    """(t, scale) with g(r) = 1 + scale * t in float32, or None when g is identically 1."""
+    if scores.dtype is not torch.float32:  # a no-op .float() still costs a dispatch per layer and step
+        scores = scores.float()
+    if kind == "tanh":
+        return torch.tanh(scores), alpha
+    if kind == "sigmoid":
+        return torch.tanh(0.5 * scores), 1.0
+    if kind == "none":
+        return None
+    raise ValueError(f"unknown gate {kind!r}")
 
 
 def gate(scores: Tensor, kind: str, alpha: float, offset: bool = False) -> Tensor | None:
@@ -55,16 +82,10 @@ def gate(scores: Tensor, kind: str, alpha: float, offset: bool = False) -> Tenso
     low-precision token states: near g = 1 a bfloat16 g has a step of 2^-7 (0.2 tanh(r) would have
     to exceed it before the gate moved at all), while the offset in bfloat16 keeps 8 significant
     bits of its own size."""
-    if scores.dtype is not torch.float32:  # a no-op .float() still costs a dispatch per layer and step
-        scores = scores.float()
-    if kind == "tanh":
-        t, scale = torch.tanh(scores), alpha
-    elif kind == "sigmoid":
-        t, scale = torch.tanh(0.5 * scores), 1.0
-    elif kind == "none":
+    parts = _gate_parts(scores, kind, alpha)
+    if parts is None:
         return None
-    else:
-        raise ValueError(f"unknown gate {kind!r}")
+    t, scale = parts
     if offset:
         return t if scale == 1.0 else t * scale
     return torch.add(1.0, t, alpha=scale)  # one op: g = 1 + scale * t
@@ -82,30 +103,32 @@ def gated_residual(x: Tensor, y: Tensor, scores: Tensor, kind: str, alpha: float
     the router.
 
     Float32 states take one `torch.lerp` (one pass over x and y; for g >= 0.5 it computes
-    y - (1 - g)(y - x), so g == 1 is exact). Lower precisions take y + (g - 1)(y - x) with the
-    offset g - 1 from float32: a bfloat16 g near 1 would round small gates away."""
-    low_precision = y.dtype is not torch.float32
-    weight = gate(scores, kind, alpha, offset=low_precision)
-    if weight is None:
-        return y
-    if weight.dim() < y.dim():
-        weight = weight.unsqueeze(-1)
-    if not low_precision:
+    y - (1 - g)(y - x), so g == 1 is exact). Lower precisions take y + scale * t (y - x) in one
+    `addcmul`, t = tanh(.) from float32 logits cast to the states' dtype and the scale a scalar
+    of the op: a bfloat16 g near 1 would round small gates away, a bfloat16 t keeps 8 bits of
+    its own size."""
+    if y.dtype is torch.float32:
+        weight = gate(scores, kind, alpha)
+        if weight is None:
+            return y
+        if weight.dim() < y.dim():
+            weight = weight.unsqueeze(-1)
         return torch.lerp(x, y, weight)
-    if weight.dtype is not y.dtype:
-        weight = weight.to(y.dtype)
-    return torch.addcmul(y, y - x, weight)
+    parts = _gate_parts(scores, kind, alpha)
+    if parts is None:
+        return y
+    t, scale = parts
+    if t.dim() < y.dim():
+        t = t.unsqueeze(-1)
+    return torch.addcmul(y, y - x, t.to(y.dtype), value=scale)
 
 
 def gated_decode_step(router: Router, x: Tensor, y: Tensor, kind: str, alpha: float) -> tuple[Tensor, Tensor]:
     """(`gated_residual(x, y, logits, kind, alpha)`, logits = `router.logits(x)`) for the one token
-    per row of a decode step ([B, 1, D]; logits [B, 1, 1], the shape the gate meets the states in).
-    Float32 states go straight to `gate` and `torch.lerp`: the same numbers in as few Python steps
-    as there are tensor ops, since this runs per MoD layer and token."""
+    per row of a decode step ([B, 1, D]; logits [B, 1, 1], the shape the gate meets the states in):
+    the router and three ops of gate in float32 (tanh, add, lerp), this runs per MoD layer and
+    token."""
     logits = router.logits(x)
-    if y.dtype is torch.float32:
-        weight = gate(logits, kind, alpha)
-        return (y if weight is None else torch.lerp(x, y, weight)), logits
     return gated_residual(x, y, logits, kind, alpha), logits
 
 

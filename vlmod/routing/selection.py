@@ -4,6 +4,11 @@ Shapes are static per batch: a selection is a `[B, K]` index of processed positi
 original order, with K the largest per-row count of the batch. Rows that process fewer tokens
 (padding, fewer image tokens) fill their tail with skipped positions marked invalid, which are
 written back unchanged.
+
+Every op here is a kernel launch on a GPU, and this runs per MoD layer (docs/engine.md, host
+cost): a selection is one `where` (protected tokens ranked first, padding last), one stable sort
+of the row and one sort of the K kept positions; the batch's layout (who is routable, how many
+slots) is computed once per forward, lazily, and from shapes where the call allows it.
 """
 
 from __future__ import annotations
@@ -28,29 +33,56 @@ class Budget(NamedTuple):
     full: bool  # every token of every row is processed: nothing to gather
 
 
-@dataclass
 class TokenLayout:
     """Who may be skipped in one batch, computed once per forward and shared by its MoD layers.
 
-    `num_prefix` is set for the layout of a ViT (prefix tokens first, then image tokens, the same
-    in every row and no padding): selection then needs no host sync at all.
+    Only `routable` is computed up front; the token types (for a trace), the padding and the
+    per-row counts are computed when something asks for them, so a forward that needs none of
+    them (a decode step, a batch of one whose counts follow from shapes) launches nothing for
+    them. `num_prefix` is set for the layout of a ViT (prefix tokens first, then image tokens,
+    the same in every row and no padding): selection then needs no host sync at all.
     """
 
-    token_types: Tensor  # [B, L] long (TokenType values)
-    routable: Tensor  # [B, L] bool
-    protected: Tensor  # [B, L] bool: real tokens that always run
-    num_prefix: int | None = None
-    # Decode steps with routable text: a token runs iff its router logit is > 0 (the causal
-    # predictor trained by aux_loss="bce"), since it cannot be ranked against future tokens.
-    threshold: bool = False
-    # Every token of the batch runs every MoD layer whatever the capacity (a decode step), known
-    # without looking at the types: no budget, no ranking, no host sync (`every_token`).
-    every_token: bool = False
-    _budgets: dict[float, Budget] = field(default_factory=dict, repr=False)
-    # What other parts of the engine compute once per forward (`per_forward`).
-    _shared: dict[str, Any] = field(default_factory=dict, repr=False)
-    _positions: Tensor | None = field(default=None, repr=False)
-    _not_routable: Tensor | None = field(default=None, repr=False)
+    def __init__(
+        self,
+        routable: Tensor | Callable[[], Tensor],
+        token_types: Tensor | Callable[[], Tensor] | None = None,
+        protected: Tensor | None = None,
+        *,
+        padding: Tensor | Callable[[], Tensor | None] | None = None,
+        num_prefix: int | None = None,
+        threshold: bool = False,
+        every_token: bool = False,
+        shape: tuple[int, int] | None = None,
+        device: torch.device | None = None,
+    ):
+        if not isinstance(routable, Tensor) and (shape is None or device is None):
+            raise ValueError("a layout with routable tokens computed on demand needs its shape and device")
+        self._routable = routable  # [B, L] bool, or how to compute it
+        self.shape: tuple[int, int] = tuple(routable.shape) if shape is None else tuple(shape)  # type: ignore[assignment]
+        self.device = routable.device if device is None else device
+        self._types = token_types  # [B, L] long (TokenType values), or how to compute them
+        # Real tokens that always run; None: every real token that is not routable.
+        self._protected = protected
+        # [B, L] bool, a callable giving it (or None), or None: the batch has no padding.
+        self._padding = padding
+        self.num_prefix = num_prefix
+        # Decode steps with routable text: a token runs iff its router logit is > 0 (the causal
+        # predictor trained by aux_loss="bce"), since it cannot be ranked against future tokens.
+        self.threshold = threshold
+        # Every token of the batch runs every MoD layer whatever the capacity (a decode step), known
+        # without looking at the types: no budget, no ranking, no host sync.
+        self.every_token = every_token
+        # Routable tokens of the one row of a batch without padding, known from shapes (the
+        # vision features' count) rather than by reading a tensor: budgets then need no host sync.
+        self.routable_count: int | None = None
+        self._budgets: dict[float, Budget] = {}
+        self._counts: dict[float, Tensor] = {}  # [B] processed tokens per row, by capacity
+        self._shared: dict[str, Any] = {}  # what other parts of the engine compute once (`per_forward`)
+        self._positions: Tensor | None = None
+        self._fill: Tensor | float | None = None
+
+    # -- construction ----------------------------------------------------------------------------
 
     @classmethod
     def from_types(
@@ -61,28 +93,26 @@ class TokenLayout:
     ) -> TokenLayout:
         """Layout of a batch with arbitrary token types; precomputes the budgets of `capacities`
         in a single host sync."""
-        # One comparison per routable type (two at most), not a tensor of ids: building one on the
-        # host and copying it to a GPU would be a host sync in every forward, decode steps too.
-        routable = None
-        for t in routable_types:
-            hit = token_types == int(t)
-            routable = hit if routable is None else routable | hit
-        if routable is None:
-            routable = torch.zeros_like(token_types, dtype=torch.bool)
-        protected = (token_types != TokenType.PADDING) & ~routable
-        layout = cls(token_types=token_types, routable=routable, protected=protected)
+        routable = routable_mask(token_types, routable_types)
+        layout = cls(routable, token_types, padding=lambda: token_types == int(TokenType.PADDING))
         layout.prepare(capacities)
         return layout
 
     @classmethod
-    def all_processed(cls, token_types: Tensor, routable_types: Iterable[TokenType]) -> TokenLayout:
+    def all_processed(
+        cls,
+        token_types: Tensor | Callable[[], Tensor],
+        routable: Tensor | Callable[[], Tensor],
+        shape: tuple[int, int] | None = None,
+        device: torch.device | None = None,
+    ) -> TokenLayout:
         """Layout of a batch of one token per row that is not padding (a decode step of
         `generate`): whatever its type, the token runs, since a lone routable token gets
-        k = ceil(capacity * 1) = 1 slot. Nothing is computed from the types, so no host sync."""
-        if token_types.shape[1] != 1:
-            raise ValueError(f"all_processed is for one token per row, got {token_types.shape[1]}")
-        layout = cls.from_types(token_types, routable_types)
-        layout.every_token = True
+        k = ceil(capacity * 1) = 1 slot. Nothing is computed from the types (with callables, not
+        even the types), so no op and no host sync."""
+        layout = cls(routable, token_types, every_token=True, shape=shape, device=device)
+        if layout.shape[1] != 1:
+            raise ValueError(f"all_processed is for one token per row, got {layout.shape[1]}")
         return layout
 
     @classmethod
@@ -94,12 +124,54 @@ class TokenLayout:
         routable = torch.zeros(batch, length, dtype=torch.bool, device=device)
         if image_routable:
             routable[:, num_prefix:] = True
-        return cls(
-            token_types=types,
-            routable=routable,
-            protected=~routable,
-            num_prefix=num_prefix if image_routable else length,
-        )
+        return cls(routable, types, ~routable, num_prefix=num_prefix if image_routable else length)
+
+    # -- what is computed on demand, once ---------------------------------------------------------
+
+    @property
+    def routable(self) -> Tensor:
+        """[B, L] bool: tokens of a routable type."""
+        if not isinstance(self._routable, Tensor):
+            self._routable = self._routable()
+        return self._routable
+
+    @property
+    def token_types(self) -> Tensor:
+        """[B, L] long of TokenType values (computed on first use: a trace, a router that reads
+        types)."""
+        if not isinstance(self._types, Tensor):
+            if self._types is None:
+                raise RuntimeError("this token layout was built without token types")
+            self._types = self._types()
+        return self._types
+
+    @property
+    def padding(self) -> Tensor | None:
+        """[B, L] bool, or None when the batch has no padding."""
+        if callable(self._padding):
+            self._padding = self._padding()
+        return self._padding
+
+    def no_padding(self) -> None:
+        """The caller knows the batch has no padding (e.g. transformers passed no mask)."""
+        if not isinstance(self._padding, Tensor):
+            self._padding = None
+
+    @property
+    def protected(self) -> Tensor:
+        """[B, L] bool: real tokens that always run."""
+        if self._protected is None:
+            padding = self.padding
+            self._protected = ~self.routable if padding is None else ~(self.routable | padding)
+        return self._protected
+
+    def rank_fill(self) -> Tensor | float:
+        """What `select_tokens` ranks in place of a non-routable token's key: +inf for protected
+        tokens (always kept, first), -inf for padding (never kept, last)."""
+        if self._fill is None:
+            padding = self.padding
+            self._fill = float("inf") if padding is None else torch.where(padding, float("-inf"), float("inf"))
+        return self._fill
 
     def per_forward(self, key: str, compute: Callable[[], Any]) -> Any:
         """`compute()`, run once for this layout and shared by its MoD layers (a layout serves one
@@ -111,26 +183,22 @@ class TokenLayout:
         return self._shared[key]
 
     def not_routable(self) -> Tensor:
-        """[B, L] ~routable, once per forward (every MoD layer masks its ranking with it)."""
-        if self._not_routable is None:
-            self._not_routable = ~self.routable
-        return self._not_routable
+        """[B, L] ~routable, once per forward."""
+        return self.per_forward("not routable", lambda: ~self.routable)
 
     def positions(self) -> Tensor:
         """[B, L] token index in the row (one arange per forward, shared by its MoD layers)."""
         if self._positions is None:
             batch, length = self.shape
-            self._positions = torch.arange(length, device=self.token_types.device).expand(batch, length)
+            self._positions = torch.arange(length, device=self.device).expand(batch, length)
         return self._positions
 
-    @property
-    def shape(self) -> tuple[int, int]:
-        return tuple(self.token_types.shape)  # type: ignore[return-value]
+    # -- budgets ----------------------------------------------------------------------------------
 
     def prepare(self, capacities: Iterable[float]) -> None:
         """Compute the budget of each capacity with one host sync for all of them."""
         caps = [c for c in dict.fromkeys(capacities) if c not in self._budgets]
-        if not caps or self.num_prefix is not None:
+        if not caps or self.num_prefix is not None or self.every_token:
             return
         n_routable = self.routable.sum(1)
         n_protected = self.protected.sum(1)
@@ -138,8 +206,9 @@ class TokenLayout:
         counts = [k + n_protected for k in ks]
         extremes = torch.stack([torch.stack([n.max(), n.min()]) for n in counts]).tolist()
         length = self.shape[1]
-        for c, k, (most, least) in zip(caps, ks, extremes, strict=True):
+        for c, k, count, (most, least) in zip(caps, ks, counts, extremes, strict=True):
             self._budgets[c] = Budget(k, int(most), most == least, least == length)
+            self._counts[c] = count
 
     def budget(self, capacity: float) -> Budget:
         """The slots of this batch at `capacity`."""
@@ -152,13 +221,41 @@ class TokenLayout:
             total = self.num_prefix + k
             return Budget(k, total, True, total == length)
         if capacity not in self._budgets:
-            self.prepare([capacity])
+            if self.routable_count is not None and self.padding is None and self.shape[0] == 1:
+                n, length = self.routable_count, self.shape[1]
+                k = capacity_to_k(capacity, n)
+                self._budgets[capacity] = Budget(k, length - n + k, True, k == n)
+            else:
+                self.prepare([capacity])
         return self._budgets[capacity]
+
+
+    def filler_offset(self, capacity: float) -> Tensor:
+        """[B, K] long, once per forward and capacity where rows process different counts: 0 on a
+        row's processed slots in rank order, L on its filler slots (see `select_tokens`)."""
+        def compute() -> Tensor:
+            budget, length = self.budget(capacity), self.shape[1]
+            slots = torch.arange(budget.total, device=self.device)
+            return (slots >= self._counts[capacity].unsqueeze(1)).long() * length
+
+        return self.per_forward(f"filler offset {capacity}", compute)
+
+
+def routable_mask(token_types: Tensor, routable_types: Iterable[TokenType]) -> Tensor:
+    """[B, L] bool: the tokens of a routable type. One comparison per routable type (two at
+    most), not a tensor of ids: building one on the host and copying it to a GPU would be a host
+    sync in every forward."""
+    routable = None
+    for t in routable_types:
+        hit = token_types == int(t)
+        routable = hit if routable is None else routable | hit
+    return torch.zeros_like(token_types, dtype=torch.bool) if routable is None else routable
 
 
 @dataclass
 class Selection:
-    """The processed tokens of one MoD layer: `index` [B, K] ascending, `valid` [B, K] or None."""
+    """The processed tokens of one MoD layer: `index` [B, K] ascending (filler slots, where
+    `valid` is False, after a row's processed ones), `valid` [B, K] or None."""
 
     index: Tensor | None  # None: every token runs (no gather needed)
     valid: Tensor | None
@@ -178,14 +275,14 @@ class Selection:
         return x.reshape(batch * x.shape[1], *rest).index_select(0, self.flat_index()).view(batch, k, *rest)
 
     def scatter(self, x: Tensor, values: Tensor) -> Tensor:
-        """A copy of x [B, L, ...] with the selected positions replaced by values [B, K, ...]."""
+        """A copy of x [B, L, ...] with the selected positions replaced by values [B, K, ...]: one
+        out-of-place `index_copy`."""
         if self.index is None:
             return values
         batch, length = x.shape[:2]
-        out = x.clone(memory_format=torch.contiguous_format)
         rest = x.shape[2:]
-        out.view(batch * length, *rest).index_copy_(0, self.flat_index(), values.reshape(-1, *rest))
-        return out
+        flat = x.reshape(batch * length, *rest).index_copy(0, self.flat_index(), values.reshape(-1, *rest))
+        return flat.view(batch, length, *rest)
 
     def flat_index(self) -> Tensor:
         """[B * K]: the selected positions as rows of the [B * L, ...] flattened batch."""
@@ -208,7 +305,14 @@ class Selection:
 
 def select_tokens(keys: Tensor, layout: TokenLayout, capacity: float) -> Selection:
     """Protected tokens plus, per row, the k = ceil(capacity * n_routable) routable tokens with the
-    highest `keys` [B, L]; original order kept. No loop over rows or tokens."""
+    highest `keys` [B, L] (ties to the earlier token); original order kept. No loop over rows or
+    tokens.
+
+    One stable sort ranks a row with protected tokens first (+inf), routable ones by key and
+    padding last (-inf); its first K entries are a row's processed tokens (and, in a row that
+    processes fewer than K, the next-ranked as filler), and a sort of those K puts them back in
+    order. Filler slots are offset by L before that sort, so they land after the processed ones
+    and are told apart by `index >= L`."""
     batch, length = layout.shape
     if layout.threshold:
         processed = layout.protected | (layout.routable & (keys > 0))
@@ -224,14 +328,14 @@ def select_tokens(keys: Tensor, layout: TokenLayout, capacity: float) -> Selecti
         top = keys[:, p:].topk(budget.k, dim=1, sorted=False).indices.sort(dim=1).values + p
         prefix = torch.arange(p, device=keys.device).expand(batch, p)
         return Selection(index=torch.cat([prefix, top], dim=1), valid=None, length=length)
-    positions = layout.positions()
     if keys.dtype != torch.float32:  # a no-op .float() still costs a dispatch per layer
         keys = keys.float()
-    masked = keys.masked_fill(layout.not_routable(), float("-inf"))
-    order = masked.argsort(dim=1, descending=True, stable=True)
-    rank = torch.empty_like(order).scatter_(1, order, positions)
-    processed = layout.protected | (layout.routable & (rank < budget.k.unsqueeze(1)))
-    return _ordered_selection(processed, positions, budget.total, budget.uniform)
+    ranked = torch.where(layout.routable, keys, layout.rank_fill())
+    order = ranked.sort(dim=1, descending=True, stable=True).indices[:, : budget.total]
+    if budget.uniform:
+        return Selection(index=order.sort(dim=1).values, valid=None, length=length)
+    slots = (order + layout.filler_offset(capacity)).sort(dim=1).values
+    return Selection(index=slots.remainder(length), valid=slots < length, length=length)
 
 
 def _ordered_selection(processed: Tensor, positions: Tensor, total: int, uniform: bool) -> Selection:
