@@ -23,6 +23,7 @@ from pathlib import Path
 
 from vlmod.cli.argtypes import HelpFormatter
 from vlmod.demo.app import DEFAULT_DENSE_DIR, DEFAULT_MODEL_DIR
+from vlmod.errors import InputError
 from vlmod.recipes.recipe import RecipeSettings, run_recipe
 from vlmod.recipes.reuse import dense_model_dir
 
@@ -62,7 +63,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     run = Path(args.run) if args.run else Path(args.out)
     if not args.run:
-        run_recipe(run, RecipeSettings.for_task(args.task))
+        try:  # a new or empty --out: an earlier run there is used with --from, never trained over
+            run_recipe(run, RecipeSettings.for_task(args.task))
+        except InputError as e:
+            raise SystemExit(f"error: {e} (this script: --from {run} installs the models of a run there)") from None
     install(run / "mod" / "model", DEFAULT_MODEL_DIR, routable=("image", "video"))
     install(dense_model_dir(run), DEFAULT_DENSE_DIR)
     size = sum(f.stat().st_size for d in (DEFAULT_MODEL_DIR, DEFAULT_DENSE_DIR) for f in d.iterdir())

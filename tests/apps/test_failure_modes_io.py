@@ -82,6 +82,56 @@ def test_rank_refuses_to_write_over_an_image_the_data_points_to(work, tmp_path, 
     assert image.read_bytes() == (tmp_path / "before.png").read_bytes()
 
 
+def test_bench_json_is_checked_as_every_json_before_the_benchmark(work, tmp_path, capsys, monkeypatch):
+    """Before: `bench train|llava|video --json PATH` wrote over whatever PATH was (the model's
+    weights, its config.json, the --video clip itself; exit 0), and a folder failed only after the
+    benchmark had run. Now the rule of eval / audit / rank, before any work."""
+    import vlmod.cli.bench as bench_cli
+    import vlmod.cli.bench_train as bench_train_cli
+
+    for module, name in ((bench_cli, "bench_vit"), (bench_cli, "bench_llava"), (bench_cli, "bench_video"),
+                         (bench_train_cli, "bench_train")):
+        monkeypatch.setattr(module, name, lambda *a, **k: pytest.fail("the benchmark ran before --json was checked"))
+    model = tmp_path / "model"
+    shutil.copytree(work / "dense", model)
+    weights = (model / "model.safetensors").read_bytes()
+    clip = tmp_path / "clip.mp4"
+    clip.write_bytes(b"a user's clip")
+    cases = [
+        (["bench", "train", "--model", str(model), "--json", str(model / "model.safetensors")], "inside the input"),
+        (["bench", "llava", "--model", str(model), "--json", str(model / "config.json")], "inside the input"),
+        (["bench", "video", "--video", str(clip), "--json", str(clip)], "is the input"),
+        (["bench", "train", "--json", str(tmp_path)], "is a folder"),
+        (["bench", "llava", "--json", str(tmp_path)], "is a folder"),
+        (["bench", "video", "--json", str(tmp_path)], "is a folder"),
+        (["bench", "vit", "--model", "vit_tiny_patch16_224", "--json", str(tmp_path)], "is a folder"),
+    ]
+    for argv, message in cases:
+        assert cli_main([*argv, "--no-progress"]) == 2, argv
+        line = _error_line(capsys)
+        assert line.startswith("error: --json ") and message in line, (argv, line)
+    assert (model / "model.safetensors").read_bytes() == weights and clip.read_bytes() == b"a user's clip"
+
+
+def test_data_synthetic_refuses_a_non_empty_out_unless_overwrite(tmp_path, capsys):
+    """Before: `vlmod data synthetic --out DIR` wrote over a user's train.json in DIR (exit 0);
+    `convert` and `tiny` refused a non-empty --out. Now it does too, unless --overwrite."""
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "train.json").write_text("a user's records")
+    (out / "notes.txt").write_text("unrelated")
+    argv = ["data", "synthetic", "--out", str(out), "--train", "2", "--val", "1", "--no-progress"]
+    assert cli_main(argv) == 2
+    assert _error_line(capsys) == (f"error: --out {out} exists and is not empty; pass --overwrite to write the set "
+                                   "over what it holds, or choose a new --out")
+    assert (out / "train.json").read_text() == "a user's records" and sorted(p.name for p in out.iterdir()) == [
+        "notes.txt", "train.json"]
+    assert cli_main([*argv, "--overwrite"]) == 0  # said so: the set's files are written, the rest left alone
+    assert len(json.loads((out / "train.json").read_text())) == 2 and (out / "notes.txt").read_text() == "unrelated"
+    assert cli_main(["data", "synthetic", "--out", str(tmp_path / "new"), "--train", "2", "--val", "1",
+                     "--no-progress"]) == 0
+
+
 # ----------------------------------------------------------------------------- a full disk
 
 

@@ -186,7 +186,8 @@ def test_the_shared_name_and_the_old_spelling_parse_the_same(argv, name, old, de
 
 
 SHARED = {
-    "--json": ["bench vit", "bench llava", "bench video", "rank", "eval", "audit"],
+    "--json": ["bench vit", "bench llava", "bench video", "bench train", "rank", "eval", "audit"],
+    "--overwrite": ["convert", "finetune", "data synthetic", "recipe"],
     "--plots": ["rank", "audit"],
     "--batch-size": ["bench vit", "bench llava", "bench video", "rank", "eval", "audit", "finetune", "recipe"],
     "--num-samples": ["convert", "rank", "eval", "audit"],

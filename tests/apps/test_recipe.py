@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from helpers import ROOT
 from safetensors.torch import load_file
 
 import vlmod
+from vlmod.errors import InputError
 from vlmod.evaluation.frontier import REACH_TOLERANCE
 from vlmod.recipes.points import REDUCTION_METHODS
 from vlmod.recipes.recipe import RecipeSettings, run_recipe
@@ -315,6 +317,118 @@ def test_recipe_settings_refuse_bad_values(tmp_path: Path, capsys: pytest.Captur
                           (["--task", "video", "--image-model", str(tmp_path)], "no config.json")]:
         assert main(["recipe", "--quick", "--out", str(tmp_path / "run"), *argv]) == 2
         assert message in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ the output folder
+
+
+def _no_recipe_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A recipe that starts its first stage fails the test: it must stop before any work."""
+    import vlmod.recipes.recipe
+
+    monkeypatch.setattr(vlmod.recipes.recipe, "generate", lambda *a, **k: pytest.fail("the recipe started"))
+
+
+def _earlier_run(out: Path, marker: bool = True) -> Path:
+    """A folder an earlier recipe run made: a finished dense stage (weights stand-in), results, and
+    the recipe's marker (`marker`; runs from before the marker have none)."""
+    (out / "dense" / "model").mkdir(parents=True)
+    (out / "dense" / "model" / "model.safetensors").write_bytes(b"the first run's weights")
+    (out / "dense" / "recipe.json").write_text(json.dumps({"settings": {}, "stage_seconds": {}}))
+    (out / "results.md").write_text("the first run's results")
+    if marker:
+        from vlmod.io.owned import Ledger
+        from vlmod.recipes.reuse import RECIPE
+
+        Ledger(out, RECIPE).save()
+    return out
+
+
+def _error_line(capsys: pytest.CaptureFixture) -> str:
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_recipe_refuses_an_out_holding_files_it_did_not_make(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: `vlmod recipe --out DIR` wrote into a folder holding a user's files (their train.json
+    replaced, mod/model/ emptied, results.md overwritten). Now refused in one line; nothing is
+    created, and --reuse-dense / --overwrite do not open it either."""
+    from vlmod.cli import main
+
+    _no_recipe_work(monkeypatch)
+    out = tmp_path / "mine"
+    (out / "data").mkdir(parents=True)
+    (out / "data" / "train.json").write_text("a user's records")
+    (out / "mod" / "model").mkdir(parents=True)
+    (out / "mod" / "model" / "weights.bin").write_text("a user's model")
+    for flags in ([], ["--overwrite"], ["--reuse-dense"], ["--isoflop"]):
+        assert main(["recipe", "--quick", "--out", str(out), *flags]) == 2, flags
+        assert _error_line(capsys) == (f"error: --out {out} holds files the recipe did not make (data, mod); "
+                                       "choose a new or empty folder for --out"), flags
+    assert (out / "data" / "train.json").read_text() == "a user's records"
+    assert sorted(p.name for p in out.rglob("*")) == ["data", "mod", "model", "train.json", "weights.bin"]
+    # --reuse-dense with nothing to continue: refused before --out is made.
+    assert main(["recipe", "--quick", "--reuse-dense", "--out", str(tmp_path / "new")]) == 2
+    assert "holds no earlier recipe run to continue; drop --reuse-dense" in _error_line(capsys)
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_recipe_never_trains_over_an_earlier_runs_models(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: `vlmod recipe --task image --isoflop` wrote into `runs/synthetic-image`, the image
+    recipe's folder, and replaced its dense/model (its results.md then described a model that was
+    gone). Now the isoFLOP check has a folder of its own, and a run into an earlier run's folder
+    needs --reuse-dense (keeps its models) or --overwrite (says to train them again)."""
+    import vlmod.recipes.isoflop
+    from vlmod.cli import main
+
+    _no_recipe_work(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    legacy = _earlier_run(tmp_path / "runs" / "synthetic-image", marker=False)
+    ran: list[tuple[Path, dict]] = []
+    monkeypatch.setattr(vlmod.recipes.isoflop, "run_isoflop", lambda out, settings, **kw: ran.append((out, kw)))
+    assert main(["recipe", "--task", "image", "--isoflop", "--quick"]) == 0
+    assert [out for out, _ in ran] == [Path("runs/synthetic-image-isoflop")]
+    for first in (legacy, _earlier_run(tmp_path / "marked")):
+        for argv in (["--isoflop"], []):
+            assert main(["recipe", "--task", "image", "--quick", "--out", str(first), *argv]) == 2
+            assert _error_line(capsys) == (
+                f"error: --out {first} holds an earlier recipe run; pass --reuse-dense to keep its dense model (same "
+                "settings), --overwrite to train everything again there, or choose another --out")
+        assert main(["recipe", "--quick", "--out", str(first), "--reuse-dense", "--overwrite"]) == 2
+        assert "contradict" in _error_line(capsys)
+        with pytest.raises(InputError, match="holds an earlier recipe run"):
+            run_recipe(first, RecipeSettings.for_task("image", quick=True), progress=False)  # the API refuses too
+        assert (first / "dense" / "model" / "model.safetensors").read_bytes() == b"the first run's weights"
+        assert (first / "results.md").read_text() == "the first run's results"
+    assert ran[0][1] == {"progress": True, "reuse_dense": False, "overwrite": False}
+
+
+def test_a_second_recipe_on_the_same_out_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: two recipes on one --out at once: one died in a ConvertError traceback, or (seeds 0
+    and 1) both exited 0 and one reported the other's models. Now the second stops in one line,
+    while the first holds the lock convert takes, and writes nothing."""
+    fcntl = pytest.importorskip("fcntl")
+    from vlmod.cli import main
+
+    _no_recipe_work(monkeypatch)
+    out = tmp_path / "run"
+    fd = os.open(tmp_path / ".run.lock", os.O_CREAT | os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # what the first run holds while it runs
+        for flags in ([], ["--isoflop"], ["--seed", "1"]):
+            assert main(["recipe", "--quick", "--out", str(out), *flags]) == 2
+            assert _error_line(capsys) == (f"error: --out {out} is being written by another process right now; wait "
+                                           "for it to finish or choose another --out")
+        with pytest.raises(InputError, match="being written by another process"):
+            run_recipe(out, RecipeSettings.for_task("image", quick=True), progress=False)
+        assert not out.exists()
+    finally:
+        os.close(fd)
 
 
 def test_stack_share_is_one_share_or_one_per_target() -> None:

@@ -274,7 +274,9 @@ def test_script_writes_and_reports(tmp_path, capsys):
     records = _records(out)
     assert {r["meta"]["type"] for r in records} == {"color", "count"}
     assert Image.open(out / records[0]["image"]).size == (48, 48)
-    assert module.main(["--out", str(out), "--image-size", "10", "--no-progress"]) == 2
+    assert module.main(["--out", str(out), "--no-progress"]) == 2  # the set it wrote is not written over unasked
+    assert "exists and is not empty; pass --overwrite" in capsys.readouterr().err
+    assert module.main(["--out", str(out), "--overwrite", "--image-size", "10", "--no-progress"]) == 2
     assert capsys.readouterr().err.startswith("error: image_size")
 
 

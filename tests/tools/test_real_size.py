@@ -299,3 +299,46 @@ def test_a_stage_rerun_replaces_its_row_only(tmp_path) -> None:
     assert table[0]["ratio"] == 1.5 and table[0]["ratio_above_baseline"] == 1.0
     assert "| convert | 11 | 3.0 | 2.0 | 1.50 | 1.00 | ok |" in (tmp_path / "scale_check.md").read_text()
     assert main(["scale-check", "--workdir", str(tmp_path), "--stages", "convert,teleport"]) == 2
+
+
+def test_scale_check_replaces_and_deletes_only_what_it_made(tmp_path, monkeypatch, capsys) -> None:
+    """Before: a failed fine-tune stage deleted its whole folder, a user's file in `ft-router/`
+    included, and the convert stage's --overwrite replaced a user's `converted/`. Now the run
+    folder's marker lists what scale-check made; a run whose stages would write over anything
+    else is refused before any stage starts, and a stage's folder is deleted only when made here."""
+    import vlmod.recipes.scale_check as sc
+
+    ran: list[list[str]] = []
+
+    def stage(argv, log, env=None, while_running=None):  # every stage "runs": it writes its folder, then fails
+        ran.append(argv)
+        if "--output-dir" in argv:
+            out = Path(argv[argv.index("--output-dir") + 1])
+            out.mkdir(exist_ok=True)
+            (out / "train_log.json").write_text("{}")
+        log.write_text("")
+        return 0.1, 2**20, 1, ""
+
+    monkeypatch.setattr(sc, "run_measured", stage)
+    root = tmp_path / "llava-1.5-7b-2"
+    (root / "ft-router").mkdir(parents=True)
+    (root / "ft-router" / "notes.txt").write_text("a user's notes")
+    (root / "converted").mkdir()
+    (root / "converted" / "config.json").write_text("a user's model")
+    argv = ["scale-check", "--workdir", str(tmp_path), "--layers", "2", "--stages", "convert,finetune-router",
+            "--no-progress"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: --workdir: {root} holds converted, ft-router, which scale-check did not make and its "
+                   "stages would replace or delete; move them away or choose another --workdir\n")
+    assert not ran and sorted(p.name for p in root.iterdir()) == ["converted", "ft-router"]
+    assert (root / "ft-router" / "notes.txt").read_text() == "a user's notes"
+    assert (root / "converted" / "config.json").read_text() == "a user's model"
+    # Moved away: the stages run; the folder a stage made is deleted once measured, the rest kept.
+    for name in ("ft-router", "converted"):
+        (root / name).rename(tmp_path / name)
+    (root / "notes.txt").write_text("beside the run")
+    assert main(argv) == 1  # the stages "failed"
+    assert len(ran) == 3 and not (root / "ft-router").exists() and (root / "notes.txt").read_text() == "beside the run"
+    assert main(argv) == 1  # a rerun owns what the first run made
+    assert len(ran) == 6

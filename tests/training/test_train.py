@@ -192,6 +192,9 @@ def test_cli_finetune_with_yaml_and_overrides(workdir: Path, tmp_path: Path, cap
         ({"mod": {"capacity": 1.5}}, "capacity"),
         ({"mod": {"layers": "arank:2"}}, "vlmod convert"),
         ({"resume": "latest"}, "no complete checkpoint"),
+        # Before: kept the -(-1) = 1 oldest "too many", i.e. deleted every checkpoint right after saving it.
+        ({"save_total_limit": -1, "save_steps": 1}, "save_total_limit is how many of the newest checkpoints to keep, "
+                                                    ">= 1 (0 or empty: every one), got -1"),
     ],
 )
 def test_bad_settings_are_one_error_line(
@@ -204,6 +207,23 @@ def test_bad_settings_are_one_error_line(
     assert cli_main(["finetune", "--config", str(config), "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and message in err and "Traceback" not in err
+
+
+def test_save_total_limit_keeps_the_newest_checkpoints_and_zero_keeps_every_one(workdir: Path, tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from vlmod.training.checkpoints import save_checkpoint
+
+    accelerator = SimpleNamespace(  # what save_checkpoint asks of Accelerate, one process
+        is_main_process=True, wait_for_everyone=lambda: None,
+        save_state=lambda folder: (Path(folder) / "model.safetensors").write_bytes(b"state"))
+    for limit, kept in ((2, ["step-2", "step-3"]), (0, ["step-1", "step-2", "step-3"]), (None, ["step-1", "step-2", "step-3"])):
+        cfg = _cfg(workdir, tmp_path / f"limit-{limit}", save_steps=1, save_total_limit=limit)
+        for step in (1, 2, 3):
+            save_checkpoint(accelerator, cfg, {"step": step})
+        assert sorted(p.name for p in (tmp_path / f"limit-{limit}" / "checkpoints").iterdir()) == kept, limit
+    with pytest.raises(TrainError, match="save_total_limit is how many"):  # as the config loads: nothing ran
+        _cfg(workdir, tmp_path / "negative", save_steps=1, save_total_limit=-1)
 
 
 def test_training_behind_a_pre_llm_reduction(workdir: Path, tmp_path: Path) -> None:

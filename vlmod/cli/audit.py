@@ -11,12 +11,12 @@ import torch
 
 from vlmod.api import mod_layers
 from vlmod.cli.argtypes import add_dtype_argument, device, option, positive_int
-from vlmod.cli.common import MODEL_FLAG, SubParsers, write_json_result
+from vlmod.cli.common import MODEL_FLAG, SubParsers, check_json_output, write_json_result
 from vlmod.data import DataError
 from vlmod.errors import InputError
 from vlmod.evaluation.audit import AUDIT_ROUTERS, audit, format_report, plot
 from vlmod.evaluation.evaluate import check_checkpoint
-from vlmod.io.paths import check_output_dir, check_output_file
+from vlmod.io.paths import check_output_dir
 
 
 class AuditInputError(InputError):
@@ -83,9 +83,9 @@ def _run_audit(args: argparse.Namespace) -> int:
         raise AuditInputError(f"--model {args.model} is not a directory")
     if not Path(args.data).is_file():
         raise AuditInputError(f"--data {args.data} does not exist")
-    for flag, path, check in (("--json", args.json, check_output_file), ("--plots", args.plots, check_output_dir)):
-        if path:
-            check(path, flag, inputs=[args.model, args.data], error=AuditInputError)
+    check_json_output(args.json, inputs=[args.model, args.data], error=AuditInputError)
+    if args.plots:
+        check_output_dir(args.plots, "--plots", inputs=[args.model, args.data], error=AuditInputError)
     check_checkpoint(str(args.model))  # EvalError (an InputError) unless a LLaVA checkpoint
     try:
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))

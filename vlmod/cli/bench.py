@@ -26,6 +26,7 @@ from vlmod.cli.common import (
     add_device_arguments,
     add_timing_arguments,
     capacity,
+    check_json_output,
     layers,
     write_json_result,
 )
@@ -84,6 +85,7 @@ def add_bench_vit_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
 
 
 def run_bench_vit(args: argparse.Namespace) -> int:
+    check_json_output(args.json, inputs=[args.model])  # before the benchmark, not after it
     result = bench_vit(
         args.model,
         source=args.source,
@@ -164,6 +166,7 @@ def add_bench_llava_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
 
 
 def run_bench_llava(args: argparse.Namespace) -> int:
+    check_json_output(args.json, inputs=[args.model])  # before the benchmark, not after it
     result = bench_llava(
         model=args.model, preset=args.preset, capacity=args.capacity, layers=args.layers, batch=args.batch,
         new_tokens=args.new_tokens, warmup=args.warmup, repeats=args.repeats, threads=args.threads,
@@ -215,6 +218,7 @@ def add_bench_video_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
 
 
 def run_bench_video(args: argparse.Namespace) -> int:
+    check_json_output(args.json, inputs=[args.model, args.video])  # before the benchmark, not after it
     result = bench_video(
         model=args.model, preset=args.preset, video=args.video, frames=args.frames, batch=args.batch,
         capacity=args.capacity, layers=args.layers, new_tokens=args.new_tokens, warmup=args.warmup,

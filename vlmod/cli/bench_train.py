@@ -13,6 +13,7 @@ from vlmod.cli.common import (
     add_device_arguments,
     add_timing_arguments,
     capacity,
+    check_json_output,
     layers,
     write_json_result,
 )
@@ -68,6 +69,7 @@ def add_bench_train_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
 
 
 def run_bench_train(args: argparse.Namespace) -> int:
+    check_json_output(args.json, inputs=[args.model])  # before the benchmark, not after it
     result = bench_train(
         model=args.model, preset=args.preset, trainable=args.trainable, capacity=args.capacity, layers=args.layers,
         batch=args.batch, gradient_checkpointing=args.gradient_checkpointing, mixed_precision=args.mixed_precision,

@@ -6,12 +6,13 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 from vlmod.bench import parse_layers
 from vlmod.cli.argtypes import add_dtype_argument, device, non_negative_int, positive_int
+from vlmod.errors import InputError
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
@@ -70,6 +71,17 @@ def write_output(path: str | Path, flag: str, write: Callable[[Path], Any]) -> P
     raise UsageError(f"could not write {flag} {path}: {reason}; {kept} (free space or choose another {flag})")
 
 
+def check_json_output(path: str | None, inputs: Iterable[str | os.PathLike[str] | None] = (),
+                      error: type[Exception] = InputError) -> None:
+    """`--json PATH`, checked before any work by the rule every command's --json follows
+    (`vlmod.io.paths.check_output_file`): a file, not a folder; creatable and writable; neither an
+    input (a model folder, a data file, a video) nor inside one. Nothing without the flag."""
+    if path:
+        from vlmod.io.paths import check_output_file
+
+        check_output_file(path, "--json", inputs=inputs, error=error)
+
+
 def write_json_result(path: str | None, data: Any) -> None:
     """`--json PATH`: write the command's result there and say so (nothing without the flag)."""
     if path:
@@ -79,7 +91,8 @@ def write_json_result(path: str | None, data: Any) -> None:
         print(f"wrote {path}")
 
 
-__all__ = ["EXIT_INTERRUPTED", "EXIT_USAGE", "MODEL_FLAG", "SubParsers", "UsageError", "capacity", "layers", "write_json_result", "write_output"]
+__all__ = ["EXIT_INTERRUPTED", "EXIT_USAGE", "MODEL_FLAG", "SubParsers", "UsageError", "capacity", "check_json_output",
+           "layers", "write_json_result", "write_output"]
 
 
 def add_timing_arguments(p: argparse.ArgumentParser, warmup: int, repeats: int, warmup_help: str | None = None) -> None:

@@ -10,7 +10,7 @@ from vlmod.cli.argtypes import non_negative_int
 from vlmod.cli.common import SubParsers
 from vlmod.data.scenes import IMAGE_QUESTION_TYPES, MAX_DISTRACTORS, MIN_IMAGE_SIZE
 from vlmod.data.synthetic import generate
-from vlmod.io.paths import check_output_dir
+from vlmod.io.paths import check_new_dir
 from vlmod.recipes.settings import RecipeSettings
 
 
@@ -67,6 +67,10 @@ def add_make_data_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
     parser.add_argument("--captions", action="store_true",
                         help="also a caption record per training sample, every object in words (the video recipe's "
                              "training sets have them; default: off)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="write into a non-empty --out, replacing the set's files of the same names (the "
+                             "*.json files, meta.json, images/ and videos/; anything else is left as it is) (default: "
+                             "refuse a non-empty --out)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(run=run_make_data)
     return parser
@@ -79,7 +83,8 @@ def run_make_data(args: argparse.Namespace) -> int:
     if args.val_videos is None and args.videos == video.num_train:
         args.val_videos = video.num_val  # the video recipe's set
     try:
-        check_output_dir(args.out, "--out")
+        check_new_dir(args.out, "--out", overwrite=args.overwrite,
+                      fix="pass --overwrite to write the set over what it holds, or choose a new --out")
         summary = generate(
             args.out,
             args.train,

@@ -10,11 +10,11 @@ import torch
 
 from vlmod.api import set_capacity
 from vlmod.cli.argtypes import add_dtype_argument, device, fraction, non_negative_int, option, positive_int
-from vlmod.cli.common import SubParsers, write_json_result
+from vlmod.cli.common import SubParsers, check_json_output, write_json_result
 from vlmod.data import DataError, load_records
 from vlmod.evaluation import evaluate as ev  # looked up at call time: a test may replace a function
 from vlmod.evaluation.latency import TIMING_RUNS
-from vlmod.io.paths import check_not_among, check_output_file
+from vlmod.io.paths import check_not_among
 
 
 def add_eval_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
@@ -64,7 +64,7 @@ def run_evaluate(args: argparse.Namespace) -> int:
     if not Path(args.data).expanduser().is_file():
         raise ev.EvalError(f"data file {args.data} does not exist")
     if args.json:
-        check_output_file(args.json, "--json", inputs=[args.model, args.compare, args.data], error=ev.EvalError)
+        check_json_output(args.json, inputs=[args.model, args.compare, args.data], error=ev.EvalError)
         try:
             records = load_records(args.data, args.image_root)
         except DataError as e:

@@ -13,7 +13,7 @@ import torch
 
 from vlmod.cli.argtypes import add_dtype_argument, fraction, non_negative_int, option, positive_int
 from vlmod.cli.argtypes import device as device_type
-from vlmod.cli.common import EXIT_USAGE, MODEL_FLAG, SubParsers, UsageError, write_output
+from vlmod.cli.common import EXIT_USAGE, MODEL_FLAG, SubParsers, UsageError, check_json_output, write_output
 from vlmod.config import MoDConfig
 from vlmod.data.calibration import CalibrationSample, calibration_batches, calibration_samples
 from vlmod.data.llava_format import DataError
@@ -144,7 +144,7 @@ def _run_rank(args: argparse.Namespace) -> int:
         raise RankInputError(f"model path {args.model} does not exist")
     from vlmod.io.paths import check_not_among, check_output_file
 
-    check_output_file(args.out, "--json", inputs=[args.model, args.data], error=RankInputError)
+    check_json_output(args.out, inputs=[args.model, args.data], error=RankInputError)
     if args.plot and not str(args.plot).lower().endswith(".png"):
         args.plot = str(Path(args.plot) / "ranks.png")  # --plots DIR, as audit's
     if args.plot:

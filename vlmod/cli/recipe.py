@@ -111,7 +111,9 @@ def add_recipe_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
 def add_recipe_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Flags of `vlmod recipe` / `scripts/synthetic_recipe.py`: a task, its defaults, overrides."""
     parser.add_argument("--task", default="image", choices=TASKS, help="image or video recipe (default: image)")
-    parser.add_argument("--out", default=None, help="output folder (default: runs/synthetic-TASK)")
+    parser.add_argument("--out", default=None,
+                        help="output folder: new or empty, or an earlier recipe run's with --reuse-dense or --overwrite "
+                             "(default: runs/synthetic-TASK; runs/synthetic-image-isoflop with --isoflop)")
     parser.add_argument("--quick", action="store_true", help="toy sizes: the whole pipeline in under 2 minutes")
     image, vid = RecipeSettings.for_task("image"), RecipeSettings.for_task("video")
     for name, kind, text in _FLAGS:
@@ -156,6 +158,10 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     parser.add_argument("--reuse-trained", action="store_true",
                         help="with --reuse-dense: keep the MoD fine-tune and the control of that run too (same "
                              "settings) and only evaluate again, e.g. after a baseline changed (default: train them)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="train everything again in an earlier recipe run's --out, replacing its models and "
+                             "results (default: refuse a non-empty --out; one holding files the recipe did not make "
+                             "is refused even so)")
     parser.add_argument("--isoflop", action="store_true",
                         help="image task: instead of the frontier, train MoD models from scratch (converted at step "
                              "0) for the dense stage's training FLOPs, at the MoD paper's setting (capacity 0.125, "
@@ -164,6 +170,12 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.set_defaults(run=run_recipe_command)
     return parser
+
+
+def default_out(task: str, isoflop: bool = False) -> str:
+    """Where a recipe writes without --out: the isoFLOP check has a folder of its own, so it never
+    trains over the frontier run's models."""
+    return f"runs/synthetic-{task}" + ("-isoflop" if isoflop else "")
 
 
 def run_recipe_command(args: argparse.Namespace) -> int:
@@ -208,20 +220,26 @@ def run_recipe_command(args: argparse.Namespace) -> int:
     if args.stack_train_share is not None:
         settings = dataclasses.replace(settings, stack_train_share=stack_shares(args.stack_train_share, settings, True))
     from vlmod.io.paths import check_output_dir
+    from vlmod.recipes.reuse import check_recipe_out
 
-    out = check_output_dir(args.out or f"runs/synthetic-{args.task}", "--out")
+    out = check_output_dir(args.out or default_out(args.task, args.isoflop), "--out")
+    if args.reuse_trained and not args.reuse_dense:
+        raise InputError("--reuse-trained goes with --reuse-dense (the fine-tunes start from that dense model)")
+    check_recipe_out(out, args.reuse_dense, args.overwrite)  # before the training stack loads
     if args.isoflop:
         from vlmod.recipes.isoflop import run_isoflop
 
-        run_isoflop(out, settings, progress=not args.no_progress, reuse_dense=args.reuse_dense)
+        run_isoflop(out, settings, progress=not args.no_progress, reuse_dense=args.reuse_dense,
+                    overwrite=args.overwrite)
         print(f"results written to {out / 'isoflop.md'} and isoflop.json")
         return 0
     from vlmod.recipes.recipe import run_recipe  # the training stack loads when a recipe runs, not for --help
 
     run_recipe(out, settings, progress=not args.no_progress, reuse_dense=args.reuse_dense,
-               reuse_trained=args.reuse_trained)
+               reuse_trained=args.reuse_trained, overwrite=args.overwrite)
     print(f"results written to {out / 'results.md'}, results.json and frontier.png")
     return 0
 
 
-__all__ = ["add_recipe_arguments", "add_recipe_parser", "run_recipe_command", "share_at_target", "stack_shares"]
+__all__ = ["add_recipe_arguments", "add_recipe_parser", "default_out", "run_recipe_command", "share_at_target",
+           "stack_shares"]

@@ -9,7 +9,7 @@ from vlmod.cli.argtypes import positive_int
 from vlmod.cli.common import SubParsers
 from vlmod.errors import InputError
 from vlmod.io.files import save_pretrained_atomic
-from vlmod.io.paths import check_output_dir
+from vlmod.io.paths import check_new_dir
 from vlmod.models.tiny import FAMILIES, VLM_FAMILIES, build, copy_weights
 
 
@@ -58,9 +58,7 @@ def run_tiny(args: argparse.Namespace) -> int:
         raise InputError(f"--image-size ({args.image_size}) must be a multiple of --patch-size ({args.patch_size})")
     if args.vision_width % 4:
         raise InputError(f"--vision-width ({args.vision_width}) must be a multiple of 4 (the tower's heads)")
-    out = check_output_dir(args.out, "--out", inputs=[args.init_from])  # a folder we may write, before any work
-    if out.exists() and any(out.iterdir()):
-        raise InputError(f"{out} exists and is not empty; choose a new --out")
+    out = check_new_dir(args.out, "--out", inputs=[args.init_from])  # a new or empty folder, before any work
     model, processor = build(
         args.family, width=args.width, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
         mlp_ratio=args.mlp_ratio, vision_width=args.vision_width, vision_layers=args.vision_layers,

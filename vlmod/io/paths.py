@@ -114,6 +114,27 @@ def check_output_dir(
     return p
 
 
+def check_new_dir(
+    path: str | os.PathLike[str],
+    flag: str,
+    inputs: Iterable[str | os.PathLike[str] | None] = (),
+    error: type[Exception] = InputError,
+    overwrite: bool | None = None,
+    replaces: bool = False,
+    fix: str | None = None,
+) -> Path:
+    """`check_output_dir` of a folder the command fills from scratch: one that exists must be
+    empty, unless `overwrite` (the command's --overwrite) says to write over what it holds; None:
+    the command has no such flag. `fix` ends the message (default: pass --overwrite to replace
+    it, or choose a new FLAG). Returns it as a Path; raises `error` with a one-line reason."""
+    p = check_output_dir(path, flag, inputs, error, replaces=replaces or bool(overwrite))
+    if p.is_dir() and any(p.iterdir()) and not overwrite:
+        if fix is None:
+            fix = "pass --overwrite to replace it" if overwrite is not None else f"choose a new {flag}"
+        raise error(f"{flag} {path} exists and is not empty; {fix}")
+    return p
+
+
 def check_not_among(
     path: str | os.PathLike[str],
     flag: str,
@@ -241,6 +262,6 @@ def resolve_checkpoint(arg: str | os.PathLike[str], flag: str) -> Path | str:
 
 
 __all__ = [
-    "check_hub_id", "check_model_arg", "check_not_among", "check_output_dir", "check_output_file", "hub_offline", "hub_reachable",
-    "in_hub_cache", "is_repo_id", "looks_like_hub_id", "resolve_checkpoint",
+    "check_hub_id", "check_model_arg", "check_new_dir", "check_not_among", "check_output_dir", "check_output_file",
+    "hub_offline", "hub_reachable", "in_hub_cache", "is_repo_id", "looks_like_hub_id", "resolve_checkpoint",
 ]

@@ -33,7 +33,7 @@ from vlmod.io.files import write_json, write_text
 from vlmod.io.hf import load_pretrained
 from vlmod.recipes.cost import Routing, run_cost, sample_flops, sample_shape
 from vlmod.recipes.recipe import _Recipe, token_counts
-from vlmod.recipes.reuse import DENSE_RUN
+from vlmod.recipes.reuse import DENSE_RUN, recipe_folder
 from vlmod.recipes.settings import RecipeSettings
 
 PAPER_CAPACITY = 0.125  # the MoD paper's best isoFLOP setting: 12.5% capacity, every other block
@@ -61,15 +61,22 @@ def plan_steps(dense_flops: float, flops_per_step: float) -> int:
 
 
 def run_isoflop(out: str | Path, settings: RecipeSettings | None = None, progress: bool = True,
-                log: Callable[[str], None] = print, reuse_dense: bool = False) -> dict[str, Any]:
+                log: Callable[[str], None] = print, reuse_dense: bool = False,
+                overwrite: bool = False) -> dict[str, Any]:
     """Train the dense model (or reuse it), then each MoD model from scratch for the same training
-    FLOPs; evaluate all and write isoflop.json / isoflop.md into `out` (see the module doc)."""
+    FLOPs; evaluate all and write isoflop.json / isoflop.md into `out` (see the module doc). `out`
+    must be new, empty or a recipe's, as `run_recipe`'s (`overwrite` as there)."""
     s = settings or RecipeSettings()
     if s.task != "image":
         raise InputError("--isoflop is for --task image (the video recipe's dense model has four stages)")
     if s.mod_layers != "all":
         raise InputError("--isoflop converts at step 0, before there is a model to rank: use --mod-layers all")
-    recipe = _Recipe(Path(out).expanduser(), s, progress, log, reuse_trained=False)
+    with recipe_folder(out, reuse_dense, overwrite) as folder:
+        return _run_isoflop(_Recipe(folder, s, progress, log, reuse_trained=False), reuse_dense)
+
+
+def _run_isoflop(recipe: _Recipe, reuse_dense: bool) -> dict[str, Any]:
+    s = recipe.s
     if reuse_dense:
         recipe.reuse_dense()
     else:

@@ -58,6 +58,7 @@ from vlmod.recipes.reuse import (
     DENSE_RUN,
     REFINED_RUN,
     TRAINING_RUNS,
+    recipe_folder,
     reusable_dense,
     reusable_finetune,
     reusable_refined,
@@ -105,25 +106,28 @@ def token_counts(dataset: Any, s: RecipeSettings, limit: int = 64) -> Any:
 @keeps_threads  # --threads applies to the recipe, not to what runs after it in the process
 def run_recipe(out: str | Path, settings: RecipeSettings | None = None, progress: bool = True,
                log: Callable[[str], None] = print, reuse_dense: bool = False,
-               reuse_trained: bool = False) -> RecipeResult:
+               reuse_trained: bool = False, overwrite: bool = False) -> RecipeResult:
     """Run every stage into `out` (see the module doc) and write results.json / results.md /
     frontier.png. reuse_dense: keep the dense model of an earlier run in `out` trained with the
     same settings (its training time is taken from that run's record); reuse_trained: keep its
-    MoD fine-tune and control too (the same settings), so only the evaluations run again."""
+    MoD fine-tune and control too (the same settings), so only the evaluations run again;
+    overwrite: train everything again in a folder an earlier recipe run made. `out` must be new,
+    empty or a recipe's, and one recipe writes it at a time (`vlmod.recipes.reuse.recipe_folder`)."""
     if reuse_trained and not reuse_dense:
         raise InputError("--reuse-trained goes with --reuse-dense (the fine-tunes start from that dense model)")
-    recipe = _Recipe(Path(out).expanduser(), settings or RecipeSettings(), progress, log, reuse_trained)
-    if reuse_dense:
-        recipe.reuse_dense()
-    else:
-        recipe.train_dense()
-    recipe.evaluate_dense()
-    recipe.result.layers = recipe.stages.run("rank", recipe.rank)
-    recipe.solve_points()
-    recipe.convert_and_finetune()
-    recipe.evaluate_points()
-    recipe.evaluate_vision_mod()
-    return recipe.write_results()
+    with recipe_folder(out, reuse_dense, overwrite) as folder:
+        recipe = _Recipe(folder, settings or RecipeSettings(), progress, log, reuse_trained)
+        if reuse_dense:
+            recipe.reuse_dense()
+        else:
+            recipe.train_dense()
+        recipe.evaluate_dense()
+        recipe.result.layers = recipe.stages.run("rank", recipe.rank)
+        recipe.solve_points()
+        recipe.convert_and_finetune()
+        recipe.evaluate_points()
+        recipe.evaluate_vision_mod()
+        return recipe.write_results()
 
 
 def trained_capacities(points: list[dict[str, Any]], up_to: float) -> list[float]:

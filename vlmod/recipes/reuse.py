@@ -1,15 +1,24 @@
 """What a recipe rerun may keep from an earlier run in the same folder (`--reuse-dense`,
 `--reuse-trained`): a stage's model is kept only if its record says it was trained with the
-settings asked for now, so a reused stage always gives the numbers a fresh run would."""
+settings asked for now, so a reused stage always gives the numbers a fresh run would.
+
+And which folder a recipe may write at all (`recipe_folder`): a new or empty one, or one a recipe
+made (its marker, `vlmod.io.owned`) when `--reuse-dense` continues that run or `--overwrite` trains
+it again there; a folder holding files the recipe did not make is refused. One recipe writes a
+folder at a time: a second one on the same `--out` stops in one line (the lock `convert` takes)."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 from vlmod.errors import InputError
+from vlmod.io.files import sole_writer
+from vlmod.io.owned import Ledger, entries, made_by
 
 CONTROL_STAGES = ("train dense control", "eval dense control")  # opt-in: left out of the recipe's own time
 # The settings the first dense model depends on, and (`refine_steps` > 0) the refined one too.
@@ -24,6 +33,55 @@ DENSE_RUN, REFINED_RUN = "dense", "dense-refined"
 TRAINING_RUNS = {"train on images": "image", "train dense": DENSE_RUN, "refine dense": REFINED_RUN,
                  "train MoD": "mod", "train stacked": "stack", CONTROL_STAGES[0]: "dense-control"}
 _RUN_PATHS = ("model", "data", "output_dir", "distill_from", "overwrite", "resume")  # follow from --out
+
+
+RECIPE = "vlmod recipe"  # the command a recipe folder's marker names
+
+
+def made_by_recipe(out: Path) -> bool:
+    """Whether a recipe made `out`: its marker, or (a run from before the marker) a dense stage's record."""
+    return made_by(out) == RECIPE or (out / DENSE_RUN / "recipe.json").is_file()
+
+
+def check_recipe_out(out: Path, reuse_dense: bool = False, overwrite: bool = False) -> None:
+    """Refuse an `--out` this recipe may not write (creates nothing): one holding files the recipe
+    did not make; one holding an earlier recipe run, unless `reuse_dense` continues it or
+    `overwrite` trains it again there; `reuse_dense` with no earlier run to continue."""
+    if reuse_dense and overwrite:
+        raise InputError("--reuse-dense and --overwrite contradict each other: keep the dense model of the run in "
+                         "--out, or train everything again")
+    held = entries(out)
+    if not held:
+        if reuse_dense:
+            raise InputError(f"--reuse-dense: --out {out} holds no earlier recipe run to continue; drop --reuse-dense")
+        return
+    if not made_by_recipe(out):
+        shown = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
+        raise InputError(f"--out {out} holds files the recipe did not make ({shown}); choose a new or empty folder "
+                         "for --out")
+    if not (reuse_dense or overwrite):
+        raise InputError(f"--out {out} holds an earlier recipe run; pass --reuse-dense to keep its dense model (same "
+                         "settings), --overwrite to train everything again there, or choose another --out")
+
+
+@contextmanager
+def recipe_folder(out: str | Path, reuse_dense: bool = False, overwrite: bool = False) -> Iterator[Path]:
+    """`out`, checked (`check_recipe_out`) before anything is created, then held against a second
+    recipe on it (`sole_writer`), created and marked as a recipe's while the body runs."""
+    from vlmod.io.paths import check_output_dir
+
+    folder = check_output_dir(out, "--out")
+    check_recipe_out(folder, reuse_dense, overwrite)
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise InputError(f"cannot write to {folder.parent}: {err.strerror or err}") from None
+    with sole_writer(folder, InputError, "--out"):
+        check_recipe_out(folder, reuse_dense, overwrite)  # again, locked: another run may have started in between
+        folder.mkdir(exist_ok=True)
+        if made_by(folder) != RECIPE:
+            Ledger(folder, RECIPE).save()
+        yield folder
 
 
 def changed_settings(saved: dict[str, Any], now: Any, keys: Any) -> list[str]:
@@ -100,7 +158,6 @@ def reusable_finetune(out: Path, cfg: Any) -> tuple[Path, float]:
     return run / "model", seconds
 
 
-__all__ = ["CONTROL_STAGES", "DENSE_RUN", "DENSE_SETTINGS", "REFINED_RUN", "REFINE_SETTINGS", "TRAINING_RUNS",
-           "changed_settings",
-           "dense_model_dir", "reusable_dense",
+__all__ = ["CONTROL_STAGES", "DENSE_RUN", "DENSE_SETTINGS", "RECIPE", "REFINED_RUN", "REFINE_SETTINGS", "TRAINING_RUNS",
+           "changed_settings", "check_recipe_out", "dense_model_dir", "made_by_recipe", "recipe_folder", "reusable_dense",
            "reusable_finetune", "reusable_refined"]

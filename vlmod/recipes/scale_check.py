@@ -7,13 +7,18 @@ numbers include everything the command holds, imports and processor included. Th
 is built by `vlmod.models.scale` (random weights in bfloat16, no download). Outputs that later stages do
 not read are deleted as soon as their stage has been measured, so the disk holds the checkpoint,
 its converted copy and one fine-tuned model at most (about 3 x 14 GB for a 7B).
+
+The run folder (`WORKDIR/SHAPE-LAYERS`) lists what scale-check made there in its marker
+(`vlmod.io.owned`): a stage writes or deletes only what scale-check made, and a run whose outputs
+(a fine-tune's folder, `converted/`, a report) would land on something it did not make is refused
+before any stage starts. A checkpoint or data set that is already there is only read. One
+scale-check writes a run folder at a time.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -25,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from vlmod.errors import InputError
-from vlmod.io.files import write_json, write_text
+from vlmod.io.files import sole_writer, write_json, write_text
+from vlmod.io.owned import Ledger
 
 STAGES = ("build", "convert", "load", "rank", "eval", "lmms", "demo", "finetune-router", "finetune-lora",
           "finetune-full", "bench")
@@ -33,6 +39,12 @@ STAGES = ("build", "convert", "load", "rank", "eval", "lmms", "demo", "finetune-
 # trained parameter) fits no 24 GiB machine.
 REFUSALS = ("finetune-full",)
 GIB = 1024**3
+COMMAND = "vlmod scale-check"  # the command a run folder's marker names
+# What each stage writes in the run folder besides its log (`build` only without a checkpoint there).
+OUTPUTS = {"build": ("checkpoint",), "convert": ("converted",), "rank": ("ranks.json",), "eval": ("eval.json",),
+           "lmms": ("lmms", "lmms_tasks"), "finetune-router": ("ft-router",), "finetune-lora": ("ft-lora",),
+           "finetune-full": ("ft-full",), "bench": ("bench.json",)}
+REPORTS = ("logs", "scale_check.json", "scale_check.md")  # every run writes these
 
 
 @dataclass
@@ -181,9 +193,6 @@ def scale_check(
 ) -> list[StageResult]:
     """Run `stages` on a `shape` checkpoint built in `workdir` (reused when it is there); the rows of
     the table, also written to `workdir/scale_check.json` and `.md` after every stage."""
-    from tqdm.auto import tqdm
-
-    from vlmod.data.synthetic import generate
     from vlmod.models.scale import SHAPES
 
     if shape not in SHAPES:
@@ -192,12 +201,53 @@ def scale_check(
     if unknown:
         raise InputError(f"unknown stage(s) {sorted(unknown)}; choose from {', '.join(STAGES)}")
     root = Path(workdir).expanduser() / f"{shape}-{layers}"
-    root.mkdir(parents=True, exist_ok=True)
-    ckpt, conv, logs = root / "checkpoint", root / "converted", root / "logs"
+    from vlmod.io.paths import check_output_dir
+
+    check_output_dir(root, "--workdir")
+    _check_owned(root, stages)  # before anything is created
+    try:
+        root.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise InputError(f"cannot write to {root.parent}: {err.strerror or err}") from None
+    with sole_writer(root, InputError, "--workdir"):
+        ledger = _check_owned(root, stages)  # again, locked: another run may have started in between
+        root.mkdir(exist_ok=True)
+        return _scale_check(shape, root, ledger, layers, stages, keep, progress)
+
+
+def _check_owned(root: Path, stages: tuple[str, ...]) -> Ledger:
+    """The marker of `root`; InputError when an output of `stages` would land on something
+    scale-check did not make (a checkpoint or data set already there is read, not written)."""
+    ledger = Ledger(root, COMMAND)
+    names = list(REPORTS)
+    if not (root / "data" / "val.json").is_file():
+        names.append("data")
+    for stage in stages:
+        if stage == "build" and (root / "checkpoint" / "config.json").is_file():
+            continue
+        names += OUTPUTS.get(stage, ())
+    foreign = ledger.foreign(names)
+    if foreign:
+        raise InputError(f"--workdir: {root} holds {', '.join(foreign)}, which scale-check did not make and its "
+                         "stages would replace or delete; move them away or choose another --workdir")
+    return ledger
+
+
+def _scale_check(shape: str, root: Path, ledger: Ledger, layers: int, stages: tuple[str, ...], keep: bool,
+                 progress: bool) -> list[StageResult]:
+    from tqdm.auto import tqdm
+
+    from vlmod.data.synthetic import generate
+
+    ckpt, conv = root / "checkpoint", root / "converted"
+    for name in REPORTS:
+        ledger.claim(name)
+    logs = root / "logs"
     logs.mkdir(exist_ok=True)
     video = shape == "llava-next-video-7b"
     data = root / "data"
     if not (data / "val.json").is_file():
+        ledger.claim("data")
         generate(data, 4, 8, image_size=336, video=video, num_videos=4, num_val_videos=8, num_frames=8)
     train_json = data / ("video_train.json" if video else "train.json")
     val_json = data / ("video_val.json" if video else "val.json")
@@ -218,13 +268,15 @@ def scale_check(
         "eval": (_vlmod("eval", "--model", str(conv), "--data", str(val_json), "--num-samples", "8", "--batch-size", "4",
                         "--max-new-tokens", "4", "--timing-runs", "0", "--json", str(root / "eval.json"), "--no-progress"),
                  None),
-        "lmms": ([str(Path(sys.executable).with_name("lmms-eval")), "--model", "vlmod", "--model_args",
-                  f"pretrained={conv},max_new_tokens=4", "--tasks", "vlmod_scale_check", "--include_path",
-                  str(_lmms_task(root, data / "val.json")), "--limit", "4", "--batch_size", "1",
-                  "--output_path", str(root / "lmms")], None),
         "demo": (_vlmod("demo", "--model", str(conv), "--port", str(port := _free_port()), "--timing-runs", "0",
                         "--max-new-tokens", "4"), _demo_request(port, _first_image(data / "val.json"))),
     }
+    if "lmms" in stages:  # its task files are written only when it runs
+        ledger.claim("lmms_tasks")
+        plans["lmms"] = ([str(Path(sys.executable).with_name("lmms-eval")), "--model", "vlmod", "--model_args",
+                          f"pretrained={conv},max_new_tokens=4", "--tasks", "vlmod_scale_check", "--include_path",
+                          str(_lmms_task(root, data / "val.json")), "--limit", "4", "--batch_size", "1",
+                          "--output_path", str(root / "lmms")], None)
     for mode, extra in (("router", []), ("lora", ["--gradient-checkpointing"]), ("full", ["--gradient-checkpointing"])):
         plans[f"finetune-{mode}"] = (_vlmod(
             "finetune", "--model", str(conv), "--data", str(train_json), "--output-dir", str(root / f"ft-{mode}"),
@@ -240,6 +292,8 @@ def scale_check(
             bar.write(f"{ckpt} exists: reusing it (delete it to build again)")
             continue
         argv, during = plans[stage]
+        for name in OUTPUTS.get(stage, ()):
+            ledger.claim(name)  # absent or made by scale-check (`_check_owned`): this stage may write it
         started = time.time()
         seconds, peak, rc, note = run_measured(argv, logs / f"{stage}.log", env, during)
         if stage == "demo" and rc in (-15, 143):  # stopped by us after its request: that is success
@@ -256,7 +310,7 @@ def scale_check(
         bar.write(format_row(rows[-1]))
         _write(root, shape, layers, rows)
         if stage.startswith("finetune") and not keep:
-            shutil.rmtree(root / f"ft-{stage.split('-')[1]}", ignore_errors=True)
+            ledger.remove(f"ft-{stage.split('-')[1]}")  # made by scale-check (claimed above): nothing else is deleted
     return rows
 
 

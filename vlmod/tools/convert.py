@@ -83,11 +83,9 @@ class ConvertOptions:
 def _check_out(out: Path, overwrite: bool, model: str) -> None:
     """--out must be writable and must not be, hold or sit inside --model: --overwrite replaces the
     whole folder, which would delete the model being converted (and anything beside it)."""
-    from vlmod.io.paths import check_output_dir
+    from vlmod.io.paths import check_new_dir
 
-    check_output_dir(out, "--out", inputs=[model], error=ConvertError, replaces=True)
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise ConvertError(f"--out {out} exists and is not empty; pass --overwrite to replace it")
+    check_new_dir(out, "--out", inputs=[model], error=ConvertError, overwrite=overwrite, replaces=True)
 
 
 def _remove_leftovers(out: Path) -> None:

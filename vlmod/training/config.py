@@ -46,6 +46,8 @@ class TrainConfig:
     max_steps: optimizer steps; None runs `epochs` epochs.
     warmup: warm-up steps (>= 1) or a fraction of the run (< 1).
     save_steps / eval_steps / log_steps: every N optimizer steps (0: never; a final save always).
+    save_total_limit: keep the newest N checkpoints, deleting older ones as each new one is saved;
+        None or 0: keep every one (a negative value is refused).
     report_to: accelerate trackers (tensorboard, wandb, ...), logged under `output_dir/logs`.
     resume: None, "latest" (the newest checkpoint in `output_dir/checkpoints`) or a checkpoint dir.
     overwrite: delete what an earlier run left in `output_dir` (checkpoints, model, logs) first.
@@ -152,6 +154,9 @@ class TrainConfig:
         for key in ("save_steps", "eval_steps", "log_steps", "num_workers", "warmup", "weight_decay", "capacity_warmup"):
             if getattr(self, key) < 0:
                 raise TrainError(f"{key} must be >= 0, got {getattr(self, key)}")
+        if self.save_total_limit is not None and self.save_total_limit < 0:
+            raise TrainError(f"save_total_limit is how many of the newest checkpoints to keep, >= 1 (0 or empty: every "
+                             f"one), got {self.save_total_limit}")
         for key in ("lr", "epochs", "warmup", "weight_decay", "max_grad_norm", "lora_dropout", "router_lr",
                     "aux_loss_weight", "capacity_warmup"):
             value = getattr(self, key)
