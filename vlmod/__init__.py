@@ -12,7 +12,8 @@ from vlmod.api import (
 from vlmod.config import MoDConfig, TokenType
 from vlmod.io.hf import load_pretrained
 from vlmod.routing.trace import trace_routing
-from vlmod.tools.cache import PreallocatedCache, preallocated_cache
+from vlmod.tools.cache import CompiledCache, PreallocatedCache, compiled_cache, preallocated_cache
+from vlmod.tools.compile import compile
 
 __version__ = "0.1.0"
 
@@ -27,10 +28,13 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "CompiledCache",
     "MoDConfig",
     "PreallocatedCache",
     "TokenType",
     "apply_mod",
+    "compile",
+    "compiled_cache",
     "load_pretrained",
     "mod_layers",
     "preallocated_cache",

@@ -29,16 +29,32 @@ import vlmod.plugins.hf_vision as hf_vision
 from vlmod.config import MoDConfig, TokenType
 from vlmod.plugins.base import PartSpec
 from vlmod.plugins.calls import ArgSlot, cache_name, cache_of
+from vlmod.plugins.key_slots import SlotMasks, cached_length, compiled_layer
 from vlmod.routing import masks
 from vlmod.routing.attention import AttentionQK
 from vlmod.routing.layer import MoDPart
 from vlmod.routing.selection import Selection, TokenLayout, routable_mask
 
-ATTENTION = ("eager", "sdpa", "flash_attention_2")
 IGNORE_INDEX = -100
 VISION_TYPES = frozenset({TokenType.IMAGE, TokenType.VIDEO})
-# {TokenType: vision feature tokens merged in this forward}, on the family's inner model.
+# The `FeatureTally` of the family's inner model (vision feature tokens merged in this forward).
 FEATURES_ATTR = "_vlmod_features"
+
+
+class FeatureTally:
+    """Vision feature tokens merged in the current forward, by kind (reset by each forward)."""
+
+    def __init__(self) -> None:
+        self.image = 0
+        self.video = 0
+        self.seen = False  # get_placeholder_mask ran in this forward
+
+    def reset(self) -> None:
+        self.image = self.video = 0
+        self.seen = False
+
+    def routable(self, types: Any) -> int:
+        return (self.image if TokenType.IMAGE in types else 0) + (self.video if TokenType.VIDEO in types else 0)
 
 
 class FeatureCounting:
@@ -49,14 +65,18 @@ class FeatureCounting:
 
     def get_placeholder_mask(self, *args: Any, **kwargs: Any) -> Any:
         mask = super().get_placeholder_mask(*args, **kwargs)  # type: ignore[misc]
-        counter = self.__dict__.get(FEATURES_ATTR)
-        if counter is not None:
+        tally = getattr(self, FEATURES_ATTR, None)
+        if tally is not None:
             named = {**dict(zip(type(self)._vlmod_mask_params, args, strict=False)), **kwargs}
             embeds = named.get("inputs_embeds")
-            for name, kind in (("image_features", TokenType.IMAGE), ("video_features", TokenType.VIDEO)):
-                features = named.get(name)
-                if isinstance(features, Tensor) and embeds is not None:
-                    counter[kind] = counter.get(kind, 0) + features.numel() // embeds.shape[-1]
+            if embeds is not None:
+                width = embeds.shape[-1]
+                image, video = named.get("image_features"), named.get("video_features")
+                if isinstance(image, Tensor):
+                    tally.image += image.numel() // width
+                if isinstance(video, Tensor):
+                    tally.video += video.numel() // width
+                tally.seen = True
         return mask
 
 
@@ -75,7 +95,7 @@ def count_features(inner: nn.Module) -> None:
         made.__qualname__, made.__module__ = cls.__qualname__, cls.__module__
         _COUNTING_CLASSES[cls] = made
     inner.__class__ = _COUNTING_CLASSES[cls]
-    inner.__dict__[FEATURES_ATTR] = {}
+    inner.__dict__[FEATURES_ATTR] = FeatureTally()
 
 
 def uncount_features(inner: nn.Module) -> None:
@@ -84,6 +104,21 @@ def uncount_features(inner: nn.Module) -> None:
     if issubclass(cls, FeatureCounting):
         inner.__class__ = next(c for c in cls.__mro__[1:] if c is not FeatureCounting and not issubclass(c, FeatureCounting))
     inner.__dict__.pop(FEATURES_ATTR, None)
+
+
+def padding_of(mask: Tensor | None, length: int) -> Tensor | None:
+    """[B, length] bool: which of the call's `length` tokens are padding, from the attention mask
+    it was given: the usual 2D one ([B, cached + length], 0 on padding), or the 4D one generate
+    builds for a compileable cache ([B, 1, length, keys], bool or additive), whose last query (a
+    real token under left padding) sees every real key. None without a mask."""
+    if mask is None:
+        return None
+    if mask.dim() == 2:
+        return mask[:, -length:] == 0
+    if mask.dim() == 4:
+        last = mask[:, 0, -1, -length:]
+        return ~last if last.dtype == torch.bool else last != 0
+    return None
 
 
 def language_part(
@@ -149,8 +184,10 @@ class _Batch:
     # The layout's padding and routable count are settled at the first MoD layer, from the mask
     # transformers hands it (a batch of one, budgets from shapes: no host sync).
     settle: bool = False
+    compiled: bool = False  # a decode step on a compiled cache (`vlmod.compile`)
     # RoPE (cos, sin) of this forward joined into one tensor, by id of cos (Gemma 3 has two).
     rope: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)
+    masks: dict[tuple, Any] = field(default_factory=dict)  # masks shared by this forward's layers
     _positions: Tensor | None = None
 
     @property
@@ -164,77 +201,7 @@ class _Batch:
         return self._positions
 
 
-class _KeySlots:
-    """Absolute positions and validity of the slots one MoD layer's KV cache holds, kept as the
-    chunks each forward appended: a decode step appends its position as a number (no tensor, no
-    op), and chunks are joined only when a mask needs them. Unpacks as (positions, validity or
-    None)."""
-
-    def __init__(self) -> None:
-        self.pos: list[Tensor | tuple[int, int, int]] = []  # a tensor [B, n], or (start, n, batch)
-        self.valid: list[Tensor | None] = []
-        self.length = 0
-        self.with_filler = 0  # chunks with a validity tensor: none means every slot is valid
-        self.device: torch.device | None = None
-
-    def append(self, pos: Tensor, valid: Tensor | None) -> None:
-        self.pos.append(pos)
-        self.valid.append(valid)
-        self.length += pos.shape[1]
-        self.with_filler += valid is not None
-        self.device = pos.device
-
-    def append_range(self, start: int, n: int, batch: int) -> None:
-        """Positions start .. start + n - 1 in every row, all valid (a decode step)."""
-        self.pos.append((start, n, batch))
-        self.valid.append(None)
-        self.length += n
-
-    def _tensor(self, chunk: Tensor | tuple[int, int, int]) -> Tensor:
-        if isinstance(chunk, Tensor):
-            return chunk
-        start, n, batch = chunk
-        return torch.arange(start, start + n, device=self.device).expand(batch, n)
-
-    def trim(self, n: int, layer_idx: int) -> None:
-        """Keep the first `n` slots (the cache was cropped, or a forward is recomputed)."""
-        if n > self.length:
-            raise RuntimeError(
-                f"the KV cache of MoD layer {layer_idx} holds {n} tokens but vlmod routed {self.length}; "
-                "start generation from an empty cache"
-            )
-        if n < self.length:
-            pos, valid = self.positions(), self.validity()
-            valid = None if valid is None else valid[:, :n]
-            self.pos, self.valid, self.length, self.with_filler = [pos[:, :n]], [valid], n, int(valid is not None)
-
-    def _join(self) -> None:
-        if len(self.pos) > 1 or (self.pos and not isinstance(self.pos[0], Tensor)):
-            chunks = [self._tensor(p) for p in self.pos]
-            valid = None
-            if self.with_filler:
-                parts = [torch.ones_like(p, dtype=torch.bool) if v is None else v for p, v in zip(chunks, self.valid, strict=True)]
-                valid = torch.cat(parts, dim=1)
-            joined = chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1)
-            self.pos, self.valid, self.with_filler = [joined], [valid], int(valid is not None)
-
-    def positions(self) -> Tensor:
-        """[B, n] absolute position of each slot."""
-        self._join()
-        return self.pos[0]
-
-    def validity(self) -> Tensor | None:
-        """[B, n] bool, or None when every slot is valid."""
-        if not self.with_filler:
-            return None
-        self._join()
-        return self.valid[0]
-
-    def __iter__(self) -> Any:
-        return iter((self.positions(), self.validity()))
-
-
-class DecoderAdapter:
+class DecoderAdapter(SlotMasks):
     """Calls a decoder layer of a vision-language model on the routed tokens."""
 
     def __init__(self, model: nn.Module, layer_cls: type, config: MoDConfig):
@@ -292,9 +259,9 @@ class DecoderAdapter:
         types = types.masked_fill(is_image, int(TokenType.IMAGE))
         if is_video is not None:
             types = types.masked_fill(is_video, int(TokenType.VIDEO))
-        mask = kwargs.get("attention_mask")
-        if mask is not None and mask.dim() == 2:
-            types = types.masked_fill(mask[:, -length:].to(ref.device) == 0, int(TokenType.PADDING))
+        padding = padding_of(kwargs.get("attention_mask"), length)
+        if padding is not None:
+            types = types.masked_fill(padding.to(ref.device), int(TokenType.PADDING))
         return types
 
     @staticmethod
@@ -309,7 +276,15 @@ class DecoderAdapter:
         if args:
             kwargs = {**dict(zip(self.entry_params, args, strict=False)), **kwargs}
         cache = cache_of(kwargs)
-        past_length = int(cache.get_seq_length(0)) if cache is not None else 0
+        input_ids = kwargs.get("input_ids")
+        ref = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
+        query_length = ref.shape[1] if ref is not None else 0
+        past_length = cached_length(cache, 0, query_length)
+        if past_length is None:
+            # A decode step on a compiled cache: nothing here may read the device-side length
+            # (or branch on a number that changes every step, which would recompile).
+            self.batch = _Batch(layout=self._decode_layout(kwargs, part.config.routable_types, 1), past=1, compiled=True)
+            return
         routable = part.config.routable_types
         decoding = past_length > 0
         if decoding and TokenType.RESPONSE in routable and part.config.aux_loss != "bce":
@@ -317,10 +292,9 @@ class DecoderAdapter:
             # causal predictor it always runs.
             routable = tuple(t for t in routable if t != TokenType.RESPONSE)
         threshold = decoding and TokenType.RESPONSE in routable
-        input_ids = kwargs.get("input_ids")
-        counter = self.model.model.__dict__.get(FEATURES_ATTR)
-        if counter is not None:
-            counter.clear()
+        tally = getattr(self.model.model, FEATURES_ATTR, None)
+        if tally is not None:
+            tally.reset()
         if input_ids is None or "token_types" in self.__dict__ or not set(routable) <= VISION_TYPES:
             # Text types are routable, or the types come from embeddings (or a caller's own rule):
             # the general path, with every type computed now and one host sync for the budgets.
@@ -341,24 +315,28 @@ class DecoderAdapter:
             return self.token_types(kwargs, past_length)
 
         def padding() -> Tensor | None:
-            if mask is None or mask.dim() != 2:
-                return None
-            return mask[:, -length:].to(input_ids.device) == 0
-
-        def is_vision() -> Tensor:
-            return self._vision_tokens(input_ids, routable)
+            found = padding_of(mask, length)
+            return None if found is None else found.to(input_ids.device)
 
         if decoding and input_ids.shape[1] == 1:
-            # A decode step of generate: one new, real token per row, which runs every layer.
-            layout = TokenLayout.all_processed(types, is_vision, tuple(input_ids.shape), input_ids.device)
-            self.batch = _Batch(layout=layout, past=past_length)
+            self.batch = _Batch(layout=self._decode_layout(kwargs, routable, past_length), past=past_length)
             return
-        layout = TokenLayout(is_vision(), types, padding=padding)
-        impl = self.text_config._attn_implementation
-        settle = input_ids.shape[0] == 1 and impl != "eager"
+        layout = TokenLayout(self._vision_tokens(input_ids, routable), types, padding=padding)
+        settle = input_ids.shape[0] == 1 and not past_length
         if not settle:
             layout.prepare(part.capacities.values())  # one host sync, before the tower runs
         self.batch = _Batch(layout=layout, past=past_length, settle=settle)
+
+    def _decode_layout(self, kwargs: dict, routable: tuple[TokenType, ...], past_length: int) -> TokenLayout:
+        """A decode step of generate: one new, real token per row, which runs every layer; its types
+        computed only if something (a trace) asks."""
+        input_ids = kwargs["input_ids"]
+        return TokenLayout.all_processed(
+            lambda: self.token_types(kwargs, past_length),
+            lambda: self._vision_tokens(input_ids, routable),
+            tuple(input_ids.shape),
+            input_ids.device,
+        )
 
     def _vision_tokens(self, input_ids: Tensor, routable: tuple[TokenType, ...]) -> Tensor:
         """[B, L] bool: the image / video placeholders among `routable` types (an `==` each)."""
@@ -370,19 +348,22 @@ class DecoderAdapter:
         return torch.zeros_like(input_ids, dtype=torch.bool) if hit is None else hit
 
     def _settle(self, part: MoDPart, args: tuple, kwargs: dict) -> None:
-        """At the first MoD layer of a batch of one: transformers passes no mask exactly when the
-        batch has no padding (sdpa, flash); then the routable count is the number of vision
-        features the model merged (a shape), and no budget reads a tensor."""
+        """At the first MoD layer of a batch of one, its budgets from shapes (no host sync): the
+        routable count is the number of vision features the model merged. transformers passes no
+        mask exactly when the batch has no padding (sdpa, flash): then nothing more is needed.
+        With a mask (eager, under torch.compile, or real padding) any padding runs as filler
+        slots that nothing attends to (`TokenLayout.padding_as_filler`)."""
         batch = self.batch
         batch.settle = False
-        if self.mask_arg.get(args, kwargs) is not None or batch.past:
-            return
-        batch.layout.no_padding()
-        counter = self.model.model.__dict__.get(FEATURES_ATTR)
-        if not counter:
-            return
-        routable = set(part.config.routable_types)
-        batch.layout.routable_count = sum(n for t, n in counter.items() if t in routable)
+        tally = getattr(self.model.model, FEATURES_ATTR, None)
+        if batch.past or tally is None or not tally.seen:
+            return  # budgets by reading the types (one host sync)
+        layout = batch.layout
+        if self.mask_arg.get(args, kwargs) is None and self.text_config._attn_implementation != "eager":
+            layout.no_padding()
+        else:
+            layout.padding_as_filler = True
+        layout.routable_count = tally.routable(part.config.routable_types)
 
     def end_forward(self, part: MoDPart, output: Any) -> Any:
         loss = getattr(output, "loss", None)
@@ -441,7 +422,8 @@ class DecoderAdapter:
         """RoPE (cos, sin) of the selected tokens: one gather of both, joined once per forward
         (every layer of a forward gets the same pair)."""
         cos, sin = rope
-        if len(rope) != 2 or cos.shape != sin.shape:
+        if len(rope) != 2 or cos.shape != sin.shape or torch.compiler.is_compiling():
+            # (Compiled, the gathers fuse anyway, and a cache keyed by tensor would be a guard.)
             return tuple(sel.gather(t) for t in rope)  # type: ignore[return-value]
         joined = self.batch.rope.get(id(cos))
         if joined is None or joined[0] is not cos:
@@ -457,114 +439,25 @@ class DecoderAdapter:
         Only the key-slot record grows, by a reference. This path runs per MoD layer and token, so
         it does no more than that: every operation here costs as much as a small tensor op."""
         cache = self.cache_arg.get(args, kwargs)
+        if self.batch.compiled:
+            mask = compiled_layer(cache, layer_idx).decode_mask()
+            if self.text_config._attn_implementation == "eager":
+                mask = masks.additive(mask, x.dtype)
+            args, kwargs = list(args), dict(kwargs)
+            self.mask_arg.set(args, kwargs, mask)
+            return upstream(*args, **kwargs)
         slots = self.cache_slots.get(layer_idx)
-        if slots is None or slots.with_filler or cache.get_seq_length(layer_idx) != slots.length:
-            # Filler slots to mask, or a cache vlmod did not fill in step: the general path (which
-            # also says what went wrong).
+        if slots is None or cache.get_seq_length(layer_idx) != slots.length:
+            # A cache vlmod did not fill in step: the general path (which says what went wrong).
             mask = self._slot_mask(layer_idx, cache, self.batch.positions, None, x.dtype)
         else:
-            slots.append_range(self.batch.past, 1, x.shape[0])
-            mask = None
+            mask = self._decode_mask(slots, x.dtype) if slots.with_filler else None
+            slots.append_range(self.batch.past, 1, x.shape[0], x.device)
         if mask is None and self.mask_arg.get(args, kwargs) is None:
             return upstream(*args, **kwargs)
         args, kwargs = list(args), dict(kwargs)
         self.mask_arg.set(args, kwargs, mask)
         return upstream(*args, **kwargs)
-
-    # A subclass with key bookkeeping or a mask of its own (Gemma 3's sliding windows) sets this, or
-    # gets it by overriding `_cached_keys` / `_mask`: its layers then always go through both.
-    own_keys = False
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if "_cached_keys" in cls.__dict__ or "_mask" in cls.__dict__:
-            cls.own_keys = True
-
-    def _keys_then_mask(
-        self, layer_idx: int, cache: Any, query_pos: Tensor, query_valid: Tensor | None, dtype: torch.dtype
-    ) -> Tensor | None:
-        key_pos, key_valid, cached = self._cached_keys(layer_idx, cache, query_pos, query_valid)
-        impl = self.text_config._attn_implementation
-        if impl != "eager" and key_valid is None and (cached == 0 or query_pos.shape[1] == 1):
-            # No filler slot anywhere and every key precedes its query: plain causal attention,
-            # which sdpa and flash run without a mask (is_causal).
-            return None
-        return self._mask(query_pos, key_pos, key_valid, dtype)
-
-    def _slots(self, layer_idx: int, cache: Any) -> tuple[_KeySlots | None, int]:
-        """This layer's key slots trimmed to what its cache holds (which also covers recomputation
-        and resets; a fresh record when the cache is empty), and that count."""
-        if cache is None:
-            return None, 0
-        cached = int(cache.get_seq_length(layer_idx))
-        slots = self.cache_slots.get(layer_idx) if cached else None
-        if slots is None:
-            if cached:
-                raise RuntimeError(
-                    f"the KV cache of MoD layer {layer_idx} holds {cached} tokens that vlmod did not route; "
-                    "start generation from an empty cache"
-                )
-            slots = self.cache_slots[layer_idx] = _KeySlots()
-        slots.trim(cached, layer_idx)
-        return slots, cached
-
-    def _slot_mask(
-        self, layer_idx: int, cache: Any, query_pos: Tensor, query_valid: Tensor | None, dtype: torch.dtype
-    ) -> Tensor | None:
-        """The mask of this layer's attention over its cached slots and the current queries (which
-        the upstream attention appends to the cache), or None where plain causal attention is
-        right. Key positions are joined only when a mask needs them: a decode step's single query
-        follows every cached key, so only filler slots can need masking then."""
-        slots, cached = self._slots(layer_idx, cache)
-        prev_valid = slots.validity() if cached else None
-        if slots is not None:
-            slots.append(query_pos, query_valid)
-        n_query = query_pos.shape[1]
-        impl = self.text_config._attn_implementation
-        if prev_valid is None and query_valid is None and (n_query == 1 or (cached == 0 and impl != "eager")):
-            return None
-        if n_query == 1 and cached:
-            # The query sees every valid cached key and itself (a filler query stays finite).
-            keys = prev_valid if prev_valid is not None else torch.ones_like(query_pos, dtype=torch.bool).expand(-1, cached)
-            return self._validity_mask(torch.cat([keys, torch.ones_like(query_pos, dtype=torch.bool)], dim=1), dtype)
-        if slots is None:
-            return self._mask(query_pos, query_pos, query_valid, dtype)
-        return self._mask(query_pos, slots.positions(), slots.validity(), dtype)
-
-    def _validity_mask(self, key_valid: Tensor, dtype: torch.dtype) -> Tensor:
-        """The mask of one query per row that may see exactly the keys in `key_valid` [B, n_key]."""
-        impl = self.text_config._attn_implementation
-        if impl == "flash_attention_2":
-            return key_valid.long()
-        return masks.as_attention_mask(key_valid[:, None, None, :], impl, dtype)
-
-    def _cached_keys(
-        self, layer_idx: int, cache: Any, query_pos: Tensor, query_valid: Tensor | None
-    ) -> tuple[Tensor, Tensor | None, int]:
-        """Positions and validity (None: all valid) of every key this layer's attention will see,
-        and how many were cached before: its cached slots and the current queries."""
-        slots, cached = self._slots(layer_idx, cache)
-        if slots is None:
-            return query_pos, query_valid, 0
-        slots.append(query_pos, query_valid)
-        return slots.positions(), slots.validity(), cached
-
-    def _mask(
-        self, query_pos: Tensor, key_pos: Tensor, key_valid: Tensor | None, dtype: torch.dtype
-    ) -> Tensor | None:
-        impl = self.text_config._attn_implementation
-        if impl == "flash_attention_2":
-            # Processed tokens keep their order and the cache precedes the queries, so flash's
-            # bottom-right causal alignment is right; the 2D mask drops the filler slots.
-            return None if key_valid is None else key_valid.long()
-        if impl not in ATTENTION:
-            raise ValueError(
-                f"attention implementation {impl!r} is not supported by MoD layers; use one of {ATTENTION}"
-            )
-        allowed = masks.causal(query_pos, key_pos)
-        if key_valid is not None:
-            allowed = masks.keep_own_slot(allowed & key_valid[:, None, :])
-        return masks.as_attention_mask(allowed.unsqueeze(1), impl, dtype)
 
     def output(self, out: Tensor, args: tuple, kwargs: dict) -> Any:
         return out

@@ -76,6 +76,10 @@ class TokenLayout:
         # Routable tokens of the one row of a batch without padding, known from shapes (the
         # vision features' count) rather than by reading a tensor: budgets then need no host sync.
         self.routable_count: int | None = None
+        # With `routable_count` where the batch may hold padding that nobody read: padding runs
+        # as filler (ranked with the protected tokens, its slots marked invalid, so nothing
+        # attends to it and its states are kept), and the budgets still follow from shapes.
+        self.padding_as_filler = False
         self._budgets: dict[float, Budget] = {}
         self._counts: dict[float, Tensor] = {}  # [B] processed tokens per row, by capacity
         self._shared: dict[str, Any] = {}  # what other parts of the engine compute once (`per_forward`)
@@ -170,7 +174,10 @@ class TokenLayout:
         tokens (always kept, first), -inf for padding (never kept, last)."""
         if self._fill is None:
             padding = self.padding
-            self._fill = float("inf") if padding is None else torch.where(padding, float("-inf"), float("inf"))
+            if padding is None or self.padding_as_filler:
+                self._fill = float("inf")
+            else:
+                self._fill = torch.where(padding, float("-inf"), float("inf"))
         return self._fill
 
     def per_forward(self, key: str, compute: Callable[[], Any]) -> Any:
@@ -221,24 +228,34 @@ class TokenLayout:
             total = self.num_prefix + k
             return Budget(k, total, True, total == length)
         if capacity not in self._budgets:
-            if self.routable_count is not None and self.padding is None and self.shape[0] == 1:
+            if self.routable_count is not None and self.shape[0] == 1 and (
+                self.padding_as_filler or self.padding is None
+            ):
                 n, length = self.routable_count, self.shape[1]
                 k = capacity_to_k(capacity, n)
-                self._budgets[capacity] = Budget(k, length - n + k, True, k == n)
+                full = k == n and not self.padding_as_filler
+                self._budgets[capacity] = Budget(k, length - n + k, True, full)
             else:
                 self.prepare([capacity])
         return self._budgets[capacity]
 
 
-    def filler_offset(self, capacity: float) -> Tensor:
-        """[B, K] long, once per forward and capacity where rows process different counts: 0 on a
-        row's processed slots in rank order, L on its filler slots (see `select_tokens`)."""
+    def slot_valid(self, capacity: float) -> Tensor:
+        """[B, K] bool, once per forward and capacity where rows process different counts: True on
+        a row's processed slots, which come first (see `select_tokens`); every MoD layer of that
+        capacity shares this tensor, and so can share the masks built from it."""
         def compute() -> Tensor:
-            budget, length = self.budget(capacity), self.shape[1]
-            slots = torch.arange(budget.total, device=self.device)
-            return (slots >= self._counts[capacity].unsqueeze(1)).long() * length
+            slots = torch.arange(self.budget(capacity).total, device=self.device)
+            return slots < self._counts[capacity].unsqueeze(1)
 
-        return self.per_forward(f"filler offset {capacity}", compute)
+        return self.per_forward(f"slot valid {capacity}", compute)
+
+    def filler_offset(self, capacity: float) -> Tensor:
+        """[B, K] long, once per forward and capacity: 0 on a row's processed slots in rank order,
+        L on its filler slots (see `select_tokens`)."""
+        return self.per_forward(
+            f"filler offset {capacity}", lambda: (~self.slot_valid(capacity)).long() * self.shape[1]
+        )
 
 
 def routable_mask(token_types: Tensor, routable_types: Iterable[TokenType]) -> Tensor:
@@ -311,8 +328,8 @@ def select_tokens(keys: Tensor, layout: TokenLayout, capacity: float) -> Selecti
     One stable sort ranks a row with protected tokens first (+inf), routable ones by key and
     padding last (-inf); its first K entries are a row's processed tokens (and, in a row that
     processes fewer than K, the next-ranked as filler), and a sort of those K puts them back in
-    order. Filler slots are offset by L before that sort, so they land after the processed ones
-    and are told apart by `index >= L`."""
+    order. Filler slots are offset by L before that sort, so they land after the processed ones:
+    `valid` is then the same tensor for every layer of one capacity (`TokenLayout.slot_valid`)."""
     batch, length = layout.shape
     if layout.threshold:
         processed = layout.protected | (layout.routable & (keys > 0))
@@ -333,9 +350,13 @@ def select_tokens(keys: Tensor, layout: TokenLayout, capacity: float) -> Selecti
     ranked = torch.where(layout.routable, keys, layout.rank_fill())
     order = ranked.sort(dim=1, descending=True, stable=True).indices[:, : budget.total]
     if budget.uniform:
-        return Selection(index=order.sort(dim=1).values, valid=None, length=length)
+        index = order.sort(dim=1).values
+        valid = None
+        if layout.padding_as_filler and layout.padding is not None:
+            valid = layout.per_forward("not padding", lambda: ~layout.padding).gather(1, index)
+        return Selection(index=index, valid=valid, length=length)
     slots = (order + layout.filler_offset(capacity)).sort(dim=1).values
-    return Selection(index=slots.remainder(length), valid=slots < length, length=length)
+    return Selection(index=slots.remainder(length), valid=layout.slot_valid(capacity), length=length)
 
 
 def _ordered_selection(processed: Tensor, positions: Tensor, total: int, uniform: bool) -> Selection:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, StaticLayer
 
 
 class PreallocatedLayer(DynamicLayer):
@@ -143,6 +143,122 @@ class PreallocatedCache(DynamicCache):
         )
 
 
+# Compiled decoding sizes each layer's buffers to a multiple of this: prompts whose lengths round
+# to the same size reuse one compiled decode step instead of compiling another.
+SLOT_BUCKET = 128
+
+
+class CompiledLayer(StaticLayer):
+    """One layer's keys and values for compiled decoding (transformers' `StaticLayer` pattern):
+    buffers at static addresses and the length on the device, so a decode step has no Python
+    branch on a tensor and no host sync, and CUDA graphs can replay it. Unlike `StaticLayer`, the
+    buffers are sized at the layer's first write (the tokens the prefill put there, which for a
+    MoD layer is only what it processed, plus `max_new_tokens`, rounded up to `SLOT_BUCKET`), so
+    the per-layer KV saving stays.
+
+    The prefill runs eager and sees only the filled slots (a view, as `PreallocatedLayer`); a
+    decode step (one token, buffers allocated) writes at the device-side length and attends over
+    the whole buffer, the slots past the length masked: by transformers for dense layers (slot j
+    holds position j there), by `decode_mask` for MoD layers. `valid` marks the filler slots of
+    rows that processed fewer tokens (written at the prefill), which no query sees."""
+
+    is_compileable = True
+    vlmod_compiled = True  # what the MoD layers look for (vlmod.plugins.key_slots.compiled_layer)
+
+    def __init__(self, max_new_tokens: int) -> None:
+        super().__init__(max_cache_len=0)
+        self.max_new_tokens = max_new_tokens
+        self.filled = 0  # slots written by prefills (a Python int; decode steps count on the device)
+        self.valid: Tensor | None = None  # [B, capacity] bool
+        self.slot_ids: Tensor | None = None  # [capacity] long
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        needed = key_states.shape[-2] + max(self.max_new_tokens, 1)
+        self.max_cache_len = -(-needed // SLOT_BUCKET) * SLOT_BUCKET
+        super().lazy_initialization(key_states, value_states)
+        self.valid = torch.ones(self.batch_size, self.max_cache_len, dtype=torch.bool, device=self.device)
+        self.slot_ids = torch.arange(self.max_cache_len, device=self.device)
+        if not torch.compiler.is_compiling():
+            torch._dynamo.mark_static_address(self.valid)
+
+    def decoding(self, query_length: int) -> bool:
+        return self.is_initialized and query_length == 1
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
+        if self.decoding(key_states.shape[-2]):
+            return super().update(key_states, value_states, *args, **kwargs)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+            start = 0
+        else:  # a second prompt on this cache (eager): where the decode steps left off
+            start = int(self.cumulative_length)
+        end = start + key_states.shape[-2]
+        if end > self.max_cache_len:
+            raise ValueError(
+                f"the compiled cache holds {self.max_cache_len} slots per layer and this forward needs {end}; "
+                "start from a fresh cache (vlmod.compiled_cache) sized for the whole prompt"
+            )
+        self.keys[..., start:end, :].copy_(key_states)
+        self.values[..., start:end, :].copy_(value_states)
+        self.cumulative_length.fill_(end)
+        self.filled = end
+        self._apply_validity()
+        return self.keys[..., :end, :], self.values[..., :end, :]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if self.decoding(query_length):
+            return self.max_cache_len, 0
+        return self.filled + query_length, 0
+
+    def set_validity(self, valid: Tensor, start: int) -> None:
+        """Mark the slots from `start` on as `valid` [B, n] (a prefill's filler slots, False); called
+        before the prefill's write, which allocates the buffers, so kept until then."""
+        self._pending = (valid, start)
+
+    _pending: tuple[Tensor, int] | None = None
+
+    def _apply_validity(self) -> None:
+        if self._pending is not None:
+            valid, start = self._pending
+            self.valid[:, start : start + valid.shape[1]].copy_(valid)
+            self._pending = None
+
+    def decode_mask(self) -> Tensor:
+        """[B, 1, 1, capacity] bool: what a decode step's query sees, every written slot that is
+        valid and its own (at the current length, written during its attention)."""
+        return ((self.slot_ids <= self.cumulative_length) & self.valid)[:, None, None, :]
+
+
+class CompiledCache(Cache):
+    """A cache of `CompiledLayer`s (every layer of the language model must be full attention):
+    what `vlmod.compile` decodes with."""
+
+    def __init__(self, config: Any, max_new_tokens: int) -> None:
+        text = config.get_text_config(decoder=True)
+        kinds = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+        if any(kind != "full_attention" for kind in kinds):
+            raise ValueError(
+                "compiled decoding needs full-attention layers only; this model has "
+                f"{sorted(set(kinds) - {'full_attention'})} layers: generate without compile"
+            )
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        super().__init__(layers=[CompiledLayer(max_new_tokens) for _ in kinds])
+        self.max_new_tokens = max_new_tokens
+
+    def allocated_bytes(self) -> int:
+        """Bytes of the buffers, free slots included."""
+        return sum(
+            t.numel() * t.element_size() for layer in self.layers if layer.is_initialized for t in (layer.keys, layer.values)
+        )
+
+
+def compiled_cache(model: nn.Module, max_new_tokens: int) -> CompiledCache:
+    """A fresh `CompiledCache` for one generate call (or a manual decode loop) of a dense or MoD
+    model whose decode step runs compiled."""
+    return CompiledCache(model.config, max_new_tokens)
+
+
 def preallocated_cache(model: nn.Module, max_new_tokens: int) -> PreallocatedCache:
     """A fresh `PreallocatedCache` for one `model.generate(..., max_new_tokens=N, cache=cache)`
     call (or a manual decode loop) of a dense or MoD model."""
@@ -159,6 +275,12 @@ def generate_cache(model: nn.Module, max_new_tokens: int) -> dict[str, Prealloca
     config names a cache implementation keeps it (nothing is passed)."""
     from vlmod.plugins.calls import CACHE
 
+    if getattr(model, COMPILED_ATTR, False):
+        return {CACHE: compiled_cache(model, max_new_tokens)}
     if getattr(getattr(model, "generation_config", None), "cache_implementation", None) is not None:
         return {}  # the checkpoint names its cache, and generate refuses a second one
     return {CACHE: preallocated_cache(model, max_new_tokens)}
+
+
+# Set on a model by `vlmod.compile`: its generation decodes on a `CompiledCache`, compiled.
+COMPILED_ATTR = "_vlmod_compiled"
