@@ -1,35 +1,62 @@
 #!/usr/bin/env bash
-# The GPU checks and benchmarks of docs/gpu.md, in one go: the CUDA tests, then LLaVA-1.5-7B and
-# LLaVA-NeXT-Video-7B (the real shapes, random bfloat16 weights built on the GPU) and a
-# ViT-L/14-336 tower, dense and MoD in one process each. Writes one JSON per benchmark and a log.
+# The GPU rows of docs/gpu.md in one go, eager and compiled: LLaVA-1.5-7B and LLaVA-NeXT-Video-7B
+# (the real shapes, random bfloat16 weights built on the GPU), dense and MoD in one process per
+# row, SDPA trying flash before cuDNN; then LoRA training steps and the CUDA tests. One JSON per
+# row and the log in OUT_DIR; a table of the rows at the end (scripts/gpu_table.py).
 #
-#   bash scripts/gpu_bench.sh OUT_DIR [CLIP.mp4]
+#   bash scripts/gpu_bench.sh OUT_DIR [ROWS]
 #
-# CLIP: a clip of at least 32 frames for the video rows (default: one generated with PyAV).
+# ROWS: a comma list of row names (default: all) to split the rows over calls of a short lease.
+# Environment: WHEELS=DIR installs the wheels there first (--no-deps, into /tmp/vlmod-site: a
+# machine with no network, whose transformers is older than vlmod's); CLIP=PATH a clip of 32+
+# frames (default: one generated with PyAV); DEVICE (default cuda); LLAVA_PRESET / VIDEO_PRESET
+# (default the -full 7B presets; `tiny` runs the script's logic on a CPU in a minute).
 set -uo pipefail
-out=${1:?usage: gpu_bench.sh OUT_DIR [CLIP.mp4]}
-clip=${2:-}
+out=${1:?usage: gpu_bench.sh OUT_DIR [ROWS]}
+rows=${2:-all}
 mkdir -p "$out"
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
-if [ -z "$clip" ]; then
-  clip="$out/clip.mp4"
-  "$py" -c "from vlmod.bench.inputs import synthetic_clip; synthetic_clip('$clip', seconds=8.0, fps=10)" || exit 1
+device=${DEVICE:-cuda}
+llava=${LLAVA_PRESET:-llava-1.5-7b-full}
+video=${VIDEO_PRESET:-llava-next-video-7b-full}
+sdpa=flash,efficient,cudnn,math
+if [ -n "${WHEELS:-}" ]; then
+  "$py" -m pip install -q --no-deps --no-index --target /tmp/vlmod-site "$WHEELS"/*.whl || exit 1
+  export PYTHONPATH=/tmp/vlmod-site${PYTHONPATH:+:$PYTHONPATH}
 fi
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+if [ "$device" = cuda ]; then
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+fi
 "$py" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+clip=${CLIP:-$out/../clip.mp4}
+want() { [ "$rows" = all ] || [[ ",$rows," == *",$1,"* ]]; }
 
-"$py" -m pytest -q -p no:cacheprovider -o pythonpath=tests tests/gpu
-
-bench() {  # name, then the bench arguments
-  local name=$1; shift
+bench() {  # name, seconds, then the bench arguments
+  local name=$1 limit=$2; shift 2
+  want "$name" || return 0
   echo "== $name: vlmod bench $*"
-  timeout 300 "$py" -m vlmod bench "$@" --device cuda --no-progress --json "$out/$name.json"
+  local start=$SECONDS
+  timeout "$limit" "$py" -m vlmod bench "$@" --device "$device" --sdpa-priority "$sdpa" --no-progress \
+    --json "$out/$name.json" 2>&1 | grep -v "Warning\|warn(" | tail -25
+  echo "-- $name: ${PIPESTATUS[0]} after $((SECONDS - start)) s"
 }
-bench llava-b1 llava --preset llava-1.5-7b-full --batch-size 1 --warmup 2 --repeats 5
-bench llava-b8 llava --preset llava-1.5-7b-full --batch-size 8 --warmup 2 --repeats 5
-bench llava-b1-cap1 llava --preset llava-1.5-7b-full --capacity 1.0 --batch-size 1 --warmup 2 --repeats 5
-bench video-f8-b1 video --preset llava-next-video-7b-full --video "$clip" --frames 8 --batch-size 1 --warmup 2 --repeats 5
-bench video-f32-b1 video --preset llava-next-video-7b-full --video "$clip" --frames 32 --batch-size 1 --warmup 2 --repeats 5
-bench video-f32-b8 video --preset llava-next-video-7b-full --video "$clip" --frames 32 --batch-size 8 --warmup 1 --repeats 3
-bench vit-l336 vit --model vit_large_patch14_clip_336 --dtype bfloat16 --batch-size 64 --capacity 0.5
+if want video-f32-b1 || want video-f32-b1-compiled || want video-f8-b1-compiled; then
+  [ -f "$clip" ] || "$py" -c "from vlmod.bench.inputs import synthetic_clip; synthetic_clip('$clip', seconds=8.0, fps=10)" || exit 1
+fi
+gen=(--warmup 1 --repeats 5 --new-tokens 16)
+bench llava-b1 150 llava --preset "$llava" --batch-size 1 "${gen[@]}"
+bench llava-b1-compiled 300 llava --preset "$llava" --batch-size 1 "${gen[@]}" --compile
+bench llava-b1-cap1-compiled 240 llava --preset "$llava" --batch-size 1 --capacity 1.0 "${gen[@]}" --compile
+bench video-f32-b1 180 video --preset "$video" --video "$clip" --frames 32 --batch-size 1 "${gen[@]}"
+bench video-f32-b1-compiled 300 video --preset "$video" --video "$clip" --frames 32 --batch-size 1 "${gen[@]}" --compile
+bench video-f8-b1-compiled 300 video --preset "$video" --video "$clip" --frames 8 --batch-size 1 "${gen[@]}" --compile
+train=(--preset "$video" --trainable lora --capacity 0.2 --warmup 2 --repeats 5)
+[ "$device" = cuda ] && train+=(--dtype bfloat16)
+bench train-lora-c02-b1 150 train "${train[@]}" --batch-size 1
+bench train-lora-c02-b4 150 train "${train[@]}" --batch-size 4
+if want tests && [ "$device" = cuda ]; then
+  echo "== tests/gpu"
+  timeout 180 "$py" -m pytest -q -p no:cacheprovider -o pythonpath=tests tests/gpu 2>&1 | tail -15
+fi
+"$py" scripts/gpu_table.py "$out"

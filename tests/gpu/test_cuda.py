@@ -95,3 +95,24 @@ def test_bench_llava_times_the_gpu():
     assert result["device"].startswith("cuda") and result["dtype"] == "bfloat16"
     assert result["dense"]["peak_memory_bytes"] > 0 and result["mod"]["peak_memory_bytes"] > 0
     assert result["contention"]["prefill"]["others_cores"] is None  # judged by spread on a GPU
+
+
+def test_compiled_decoding_on_cuda_graphs():
+    """vlmod.compile on a GPU (reduce-overhead: CUDA graphs) in bfloat16: a MoD model decodes the
+    eager tokens, and a second request of the same shape replays without recompiling."""
+    model, processor = tiny.build("llava")
+    mod = vlmod.apply_mod(model.to("cuda", DTYPE), vlmod.MoDConfig(capacity=0.5, layers="every_other"))
+    from vlmod.bench.ops import tiny_inputs
+
+    inputs = {
+        k: v.to("cuda", DTYPE if v.is_floating_point() else None) for k, v in tiny_inputs("llava", processor).items()
+    }
+    gen = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0)
+    with torch.inference_mode():
+        eager = mod.generate(**inputs, **gen, **generate_cache(mod, 16))
+        vlmod.compile(mod)
+        torch._dynamo.reset()
+        first = mod.generate(**inputs, **gen, **generate_cache(mod, 16))
+        with torch.compiler.set_stance("fail_on_recompile"):
+            again = mod.generate(**inputs, **gen, **generate_cache(mod, 16))
+    assert torch.equal(first, eager) and torch.equal(again, eager)

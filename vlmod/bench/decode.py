@@ -39,12 +39,40 @@ def cache_kwargs(model: nn.Module, cache: str, new_tokens: int) -> dict[str, Any
     return generate_cache(model, new_tokens) if cache == "preallocated" else {}
 
 
+def compile_decoding(
+    models: Mapping[str, nn.Module], inputs: Mapping[str, Any], gen: Mapping[str, Any], cache: str
+) -> dict[str, Any]:
+    """`vlmod.compile` each model and run one generate call of each, which compiles its decode
+    step: {name: seconds of that first call}, what compiling costs (the timed calls after it reuse
+    the compiled step). Compiled decoding takes the preallocated kind of cache (a `CompiledCache`)."""
+    from vlmod.tools.compile import compile as compile_model
+
+    if cache != DEFAULT_CACHE:
+        raise ValueError(f"compiled decoding runs on vlmod's own cache: use cache={DEFAULT_CACHE!r}, not {cache!r}")
+    first_call: dict[str, Any] = {}
+    for name, model in models.items():
+        compile_model(model)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(**inputs, **gen, **cache_kwargs(model, cache, gen["max_new_tokens"]))
+        device = inputs["input_ids"].device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        first_call[name] = time.perf_counter() - start
+    return {"first_call_s": first_call}
+
+
 def shared_copy(model: nn.Module) -> nn.Module:
     """A second module tree over the same parameter and buffer tensors: the dense twin of a MoD
     model (or the reverse) without a second copy of the weights, so a 7B pair fits where one
     model does (converting or unconverting a layer swaps classes and routers, never weights)."""
     memo: dict[int, Any] = {id(t): t for t in (*model.parameters(), *model.buffers())}
-    return copy.deepcopy(model, memo)
+    twin = copy.deepcopy(model, memo)
+    # transformers keeps a model's compiled decode call on it (bound to that model): the twin
+    # compiles its own.
+    for name in ("_compiled_call", "_last_compile_config"):
+        twin.__dict__.pop(name, None)
+    return twin
 
 
 def kv_cache_bytes(cache: Any) -> int:

@@ -21,6 +21,7 @@ from vlmod.bench.decode import (
     StepClock,
     cache_kwargs,
     check_cache,
+    compile_decoding,
     decode_figures,
     decode_weight_bytes,
     generation_footprint,
@@ -184,14 +185,17 @@ def bench_generation(
     cache: str = DEFAULT_CACHE,
     decode_bound: bool = False,
     control: bool = False,
+    compile: bool = False,  # noqa: A002
 ) -> dict[str, Any]:
     """Prefill latency, decode per step, KV-cache bytes, peak memory of generate and FLOPs of a
     dense LLaVA model and its MoD conversion on the same processed inputs (runs interleaved), both
     with a KV cache of kind `cache` (`CACHES`); `decode_bound` adds `routing_bypassed(mod)` to the
     lockstep decode. control: a second dense model over the same weights joins the prefill
     rotation, and the dense / dense ratio it gives (`prefill_control`) is what the machine's noise
-    alone makes of two identical models: a gap smaller than that is not resolved. The models and
-    inputs are on one device; on a GPU every timing waits for it."""
+    alone makes of two identical models: a gap smaller than that is not resolved. compile: both
+    models decode compiled (`vlmod.compile`, the prefill stays eager), what compiling costs in
+    `compile`, no lockstep decode. The models and inputs are on one device; on a GPU every timing
+    waits for it."""
     from transformers import LogitsProcessorList
 
     device = inputs["input_ids"].device
@@ -199,6 +203,7 @@ def bench_generation(
     flops, kv = generation_footprint(dense, mod, inputs)
     models = {"dense": dense, "mod": mod}
     gen = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad_token_id)
+    compiled = compile_decoding(models, inputs, gen, cache) if compile else None
     prefill, prefill_judged, prefill_pairs = timed_prefill(
         dense, mod, inputs, cache, new_tokens, warmup, repeats, progress, control
     )
@@ -214,7 +219,9 @@ def bench_generation(
         warmup=warmup, repeats=repeats, progress="generate dense/MoD" if progress else None, device=device,
     )
     decode, decode_judged, paired = decode_figures(clocks, timings, repeats, batch)
-    lockstep = timed_lockstep(models, inputs, new_tokens * repeats, cache, decode_bound) if new_tokens > 1 else None
+    lockstep = None
+    if new_tokens > 1 and not compile:
+        lockstep = timed_lockstep(models, inputs, new_tokens * repeats, cache, decode_bound)
     peaks = {
         n: peak_memory_bytes(lambda m=m: m.generate(**inputs, **gen, **cache_kwargs(m, cache, new_tokens)), device)
         for n, m in models.items()
@@ -228,6 +235,7 @@ def bench_generation(
             "prefill_samples_s": prefill[name].wall_s,
         }
     result["decode_lockstep"] = lockstep
+    result["compile"] = compiled
     result.update(speedups(result, flops, kv))
     result.update(prefill_pairs)
     result.update(
@@ -321,6 +329,7 @@ def bench_llava(
     device: str | torch.device = "cpu",
     dtype: str | torch.dtype | None = None,
     control: bool = False,
+    compile: bool = False,  # noqa: A002
 ) -> dict[str, Any]:
     """Dense vs MoD generation of a LLaVA model on synthetic images and a prompt.
 
@@ -331,6 +340,7 @@ def bench_llava(
     in lockstep with MoD's routing bypassed (`routing_bypassed`). control: time a second dense model
     in the prefill too, for the noise floor (`bench_generation`). device, dtype: where the models
     run and in what dtype (None: the checkpoint's or the preset's own, see `build_preset`).
+    compile: both models decode compiled (`vlmod.compile`; `bench_generation`).
     """
     try:
         if capacity is not None or layers is not None:
@@ -343,12 +353,20 @@ def bench_llava(
         if repeats < 1 or warmup < 0:
             raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
         check_cache(cache)
+        if compile and cache != DEFAULT_CACHE:
+            raise ValueError(f"--compile decodes on vlmod's own cache: drop --cache {cache}")
         num_threads = set_threads(threads)
     except ValueError as e:
         raise InputError(str(e)) from e
     dense, mod, processor, words, mod_source = build_pair(
         model, preset, LLAVA_PRESETS, capacity, layers, device=device, dtype=dtype
     )
+    if compile:
+        from vlmod.tools.compile import compile_problem
+
+        problem = compile_problem(dense)
+        if problem is not None:
+            raise InputError(f"--compile: {problem}")
     size = dense.config.vision_config.image_size
     conversation = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt_text(words)}]}]
     text = processor.apply_chat_template(conversation, add_generation_prompt=True)
@@ -358,7 +376,9 @@ def bench_llava(
     )
     tokenizer = getattr(processor, "tokenizer", processor)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    result = bench_generation(dense, mod, inputs, new_tokens, warmup, repeats, progress, pad, cache, decode_bound, control)
+    result = bench_generation(
+        dense, mod, inputs, new_tokens, warmup, repeats, progress, pad, cache, decode_bound, control, compile
+    )
     image_tokens, prompt_tokens = prompt_counts(inputs, dense.config.image_token_id)
     result.update(
         benchmark="llava",

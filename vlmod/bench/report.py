@@ -121,6 +121,18 @@ def generation_summary(result: Mapping[str, Any], label: str = "predicted prefil
         f"KV cache {signed_percent(-result['kv_cache_reduction'])}  "
         f"peak memory of generate {'-' if peak is None else signed_percent(peak)}"
         + _lockstep(result)
+        + _compiled(result)
+    )
+
+
+def _compiled(result: Mapping[str, Any]) -> str:
+    compiled = result.get("compile")
+    if not compiled:
+        return ""
+    first = compiled["first_call_s"]
+    return (
+        "\ndecode compiled (vlmod.compile: one graph a step, the prefill eager); what compiling cost, the first "
+        f"generate call of each: dense {first['dense']:.1f} s, MoD {first['mod']:.1f} s"
     )
 
 

@@ -350,3 +350,21 @@ def peak_memory_change(dense: Mapping[str, Any], mod: Mapping[str, Any]) -> floa
     if dense.get("peak_memory_bytes") and mod.get("peak_memory_bytes") is not None:
         return mod["peak_memory_bytes"] / dense["peak_memory_bytes"] - 1.0
     return None
+
+
+SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION", "math": "MATH"}
+
+
+def sdpa_priority(order: str | None) -> contextlib.AbstractContextManager:
+    """While the block runs, torch's scaled_dot_product_attention tries its backends in `order` (a
+    comma list of `SDPA_BACKENDS`, e.g. "flash,efficient,cudnn,math": flash before cuDNN, whose
+    kernel costs about 1.2 ms of host time a call on an H200, docs/gpu.md); None: torch's own."""
+    if not order:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    names = [n.strip() for n in order.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SDPA_BACKENDS]
+    if unknown or not names:
+        raise ValueError(f"unknown SDPA backend {', '.join(unknown) or '(none)'}; use a comma list of {', '.join(SDPA_BACKENDS)}")
+    return sdpa_kernel([getattr(SDPBackend, SDPA_BACKENDS[n]) for n in names], set_priority=True)

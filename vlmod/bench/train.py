@@ -206,6 +206,7 @@ def bench_train(
     seed: int = 0,
     device: str | torch.device = "cpu",
     dtype: str | torch.dtype | None = None,
+    compile: bool = False,  # noqa: A002
 ) -> dict[str, Any]:
     """Dense vs MoD training steps of a LLaVA model (or a preset's shapes with random weights).
 
@@ -215,7 +216,8 @@ def bench_train(
     "lora" | "router" (the dense reference of "router" trains its projector: see the module doc).
     device / dtype: where both models train and the dtype of their frozen weights (None: the
     checkpoint's or preset's own); what trains is float32, and a bfloat16 / float16 model runs its
-    forward under autocast in that dtype, as `vlmod finetune` does.
+    forward under autocast in that dtype, as `vlmod finetune` does. compile: each decoder layer of
+    both models compiled (`vlmod.tools.compile.compile_layers`), the first step's time reported.
     """
     from vlmod.tools.training_flops import training_flops
 
@@ -259,6 +261,18 @@ def bench_train(
         "dense": training_flops(dense, steps["dense"].batch, None, dense_flops_mode, **settings),
         "mod": training_flops(mod, steps["mod"].batch, trace, trainable, **settings),
     }
+    first_call = None
+    if compile:
+        from vlmod.tools.compile import compile_layers
+
+        first_call = {}
+        for name, model_ in (("dense", dense), ("mod", mod)):
+            compile_layers(model_)
+            start = time.perf_counter()
+            steps[name]()
+            synchronize(torch.device(device))
+            first_call[name] = time.perf_counter() - start
+            steps[name].optimizer_s.clear()
     timings = time_interleaved(steps, warmup=max(warmup, 1), repeats=repeats,
                                progress="train step dense/MoD" if progress else None, device=device)
     judged = contention(timings)
@@ -280,6 +294,7 @@ def bench_train(
             "step_samples_s": timings[name].wall_s,
         }
     result.update(step_speedups(result))
+    result["compile"] = None if first_call is None else {"first_call_s": first_call}
     result["skipped_token_share"] = skipped_token_share(trace, inputs, dense.config.text_config.num_hidden_layers)
     base = mod.get_base_model() if hasattr(mod, "get_base_model") else mod
     media = int((inputs["input_ids"][0] == (dense.config.video_token_id if video else dense.config.image_token_id)).sum())
@@ -390,6 +405,12 @@ def format_train_result(result: dict[str, Any]) -> str:
         + f"peak memory of a step (above weights and optimizer state): {'-' if peak is None else signed_percent(peak)}; "
         f"MoD skips {100 * result['skipped_token_share']:.1f}% of the language layers' token activations"
     )
+    if result.get("compile"):
+        first = result["compile"]["first_call_s"]
+        summary += (
+            f"\ndecoder layers compiled (dynamic shapes); what compiling cost, the first step of each: "
+            f"dense {first['dense']:.1f} s, MoD {first['mod']:.1f} s"
+        )
     lines = [header, table, summary]
     c = result["contention"]["step"]
     if c["contended"]:

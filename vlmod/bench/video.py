@@ -21,6 +21,7 @@ from vlmod.bench.decode import (
     StepClock,
     cache_kwargs,
     check_cache,
+    compile_decoding,
     decode_figures,
     generation_footprint,
     timed_lockstep,
@@ -120,6 +121,7 @@ def bench_video(
     device: str | torch.device = "cpu",
     dtype: str | torch.dtype | None = None,
     control: bool = False,
+    compile: bool = False,  # noqa: A002
 ) -> dict[str, Any]:
     """Dense vs MoD video question answering, end to end.
 
@@ -139,6 +141,7 @@ def bench_video(
     floor, `prefill_control`; `vlmod.bench.generation.timed_prefill`).
     device, dtype: where the models run and in what dtype (None: the checkpoint's or the preset's
     own); frames are decoded and preprocessed on the CPU, as a user's pipeline does.
+    compile: both models decode compiled (`vlmod.compile`; the prefill stays eager).
     """
     try:
         if capacity is not None or layers is not None:
@@ -151,6 +154,8 @@ def bench_video(
         if repeats < 1 or warmup < 0:
             raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
         check_cache(cache)
+        if compile and cache != DEFAULT_CACHE:
+            raise ValueError(f"--compile decodes on vlmod's own cache: drop --cache {cache}")
         num_threads = set_threads(threads)
     except ValueError as e:
         raise InputError(str(e)) from e
@@ -176,7 +181,7 @@ def bench_video(
             raise InputError(f"the processor of {model} has no video processor: it cannot prepare video inputs")
         result = _time_video(
             dense, mod, processor, path, clip, words, batch, new_tokens, warmup, repeats, progress, cache,
-            decode_bound, control,
+            decode_bound, control, compile,
         )
     result.update(
         benchmark="video",
@@ -213,6 +218,7 @@ def _time_video(
     cache: str,
     decode_bound: bool = False,
     control: bool = False,
+    compile: bool = False,  # noqa: A002
 ) -> dict[str, Any]:
     """The timed part of `bench_video` (models built, clip checked)."""
     from transformers import LogitsProcessorList
@@ -249,6 +255,7 @@ def _time_video(
         ticks = clocks[name].calls[-1]
         stages[name].append((t1 - t0, t2 - t1, t3 - t2, ticks[1] - t2, ticks[-1] - ticks[1]))
 
+    compiled = compile_decoding(models, inputs, gen, cache) if compile else None
     decode_video = time_interleaved(
         {"decode": lambda: load_video(path, num_frames=num_frames)}, warmup=warmup, repeats=repeats
     )["decode"]
@@ -260,7 +267,9 @@ def _time_video(
         warmup=warmup, repeats=repeats, progress="end to end dense/MoD" if progress else None, device=device,
     )
     decode, e2e_judged, paired = decode_figures(clocks, end_to_end, repeats, batch)
-    lockstep = timed_lockstep(models, inputs, new_tokens * repeats, cache, decode_bound) if new_tokens > 1 else None
+    lockstep = None
+    if new_tokens > 1 and not compile:
+        lockstep = timed_lockstep(models, inputs, new_tokens * repeats, cache, decode_bound)
     used = e2e_judged.clean_repeats
     peaks = {
         n: peak_memory_bytes(lambda m=m: m.generate(**inputs, **gen, **cache_kwargs(m, cache, new_tokens)), device)
@@ -282,6 +291,7 @@ def _time_video(
         }
     video_tokens, prompt_tokens = prompt_counts(inputs, dense.config.video_token_id)
     result["decode_lockstep"] = lockstep
+    result["compile"] = compiled
     result.update(speedups(result, flops, kv))
     result.update(prefill_pairs)
     result.update(

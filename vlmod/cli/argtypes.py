@@ -75,6 +75,19 @@ def port(text: str) -> int:
     return value
 
 
+def sdpa_order(text: str) -> str:
+    """A comma list of SDPA backends (vlmod.bench.timing.SDPA_BACKENDS), checked."""
+    from vlmod.bench.timing import SDPA_BACKENDS
+
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SDPA_BACKENDS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown SDPA backend {', '.join(unknown) or '(none given)'}; use a comma list of {', '.join(SDPA_BACKENDS)}"
+        )
+    return ",".join(names)
+
+
 def device(text: str) -> str:
     """A torch device that exists on this machine: a name torch does not know, or cuda / mps when
     torch sees none, is an error here rather than a traceback after the model loaded."""

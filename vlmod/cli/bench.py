@@ -19,6 +19,7 @@ from vlmod.bench import (
     format_vit_result,
 )
 from vlmod.cli.argtypes import non_negative_int, option, positive_int
+from vlmod.cli.bench_ops import add_bench_ops_parser
 from vlmod.cli.bench_train import add_bench_train_parser
 from vlmod.cli.common import (
     MODEL_FLAG,
@@ -28,6 +29,7 @@ from vlmod.cli.common import (
     capacity,
     check_json_output,
     layers,
+    under_sdpa_priority,
     write_json_result,
 )
 
@@ -84,6 +86,7 @@ def add_bench_vit_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
     return p
 
 
+@under_sdpa_priority
 def run_bench_vit(args: argparse.Namespace) -> int:
     check_json_output(args.json, inputs=[args.model])  # before the benchmark, not after it
     result = bench_vit(
@@ -117,6 +120,15 @@ def _add_cache_argument(p: argparse.ArgumentParser) -> None:
         help="also decode in lockstep with MoD's router and gate bypassed (a copy of the MoD model whose layers "
         "run their blocks ungated over the same small caches in decode steps): what MoD could decode at if "
         "routing cost nothing (default: off; a third model over the same weights; needs --new-tokens >= 2)",
+    )
+
+
+def _add_compile_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--compile", action="store_true",
+        help="decode compiled, both models (vlmod.compile: torch.compile with fullgraph of each decode step on a "
+        "CompiledCache; CUDA graphs on a GPU); the first generate call of each compiles and its time is reported "
+        "(default: off, eager)",
     )
 
 
@@ -158,6 +170,7 @@ def add_bench_llava_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
            help="prompts per batch (default: 1)")
     p.add_argument("--new-tokens", type=positive_int, default=16, help="tokens to generate (default: 16)")
     _add_cache_argument(p)
+    _add_compile_argument(p)
     _add_control_argument(p)
     add_device_arguments(p, "the checkpoint's own, float32 for llava-1.5, bfloat16 for the -full preset")
     add_timing_arguments(p, warmup=1, repeats=5)
@@ -165,13 +178,14 @@ def add_bench_llava_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
     return p
 
 
+@under_sdpa_priority
 def run_bench_llava(args: argparse.Namespace) -> int:
     check_json_output(args.json, inputs=[args.model])  # before the benchmark, not after it
     result = bench_llava(
         model=args.model, preset=args.preset, capacity=args.capacity, layers=args.layers, batch=args.batch,
         new_tokens=args.new_tokens, warmup=args.warmup, repeats=args.repeats, threads=args.threads,
         progress=not args.no_progress, cache=args.cache, decode_bound=args.decode_bound, device=args.device,
-        dtype=args.dtype, control=args.control,
+        dtype=args.dtype, control=args.control, compile=args.compile,
     )
     print(format_generation_result(result))
     write_json_result(args.json, result)
@@ -210,6 +224,7 @@ def add_bench_video_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--new-tokens", type=positive_int, default=16, help="tokens to generate (default: 16)")
     _add_cache_argument(p)
+    _add_compile_argument(p)
     _add_control_argument(p)
     add_device_arguments(p, "the checkpoint's own, float32 for the small presets, bfloat16 for -full")
     add_timing_arguments(p, warmup=1, repeats=5)
@@ -217,6 +232,7 @@ def add_bench_video_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
     return p
 
 
+@under_sdpa_priority
 def run_bench_video(args: argparse.Namespace) -> int:
     check_json_output(args.json, inputs=[args.model, args.video])  # before the benchmark, not after it
     result = bench_video(
@@ -224,6 +240,7 @@ def run_bench_video(args: argparse.Namespace) -> int:
         capacity=args.capacity, layers=args.layers, new_tokens=args.new_tokens, warmup=args.warmup,
         repeats=args.repeats, threads=args.threads, progress=not args.no_progress, cache=args.cache,
         decode_bound=args.decode_bound, device=args.device, dtype=args.dtype, control=args.control,
+        compile=args.compile,
     )
     print(format_video_result(result))
     write_json_result(args.json, result)
@@ -232,7 +249,7 @@ def run_bench_video(args: argparse.Namespace) -> int:
 
 # Benchmarks under `vlmod bench`.
 BENCHMARKS: list[Callable[[SubParsers], argparse.ArgumentParser]] = [
-    add_bench_vit_parser, add_bench_llava_parser, add_bench_video_parser, add_bench_train_parser,
+    add_bench_vit_parser, add_bench_llava_parser, add_bench_video_parser, add_bench_train_parser, add_bench_ops_parser,
 ]
 
 

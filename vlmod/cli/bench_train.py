@@ -15,6 +15,7 @@ from vlmod.cli.common import (
     capacity,
     check_json_output,
     layers,
+    under_sdpa_priority,
     write_json_result,
 )
 
@@ -57,6 +58,9 @@ def add_bench_train_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
                    help="recompute each layer's activations in backward (default: off)")
     p.add_argument("--mixed-precision", choices=MIXED_PRECISION, default="no",
                    help="run the forward under bfloat16 autocast (float32 master weights) (default: no)")
+    p.add_argument("--compile", action="store_true",
+                   help="compile each decoder layer of both models (dynamic shapes; the first step compiles and "
+                   "its time is reported) (default: off, eager)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and adapters (default: 0)")
     add_device_arguments(
         p, "the checkpoint's own or the preset's (what trains is float32; a bfloat16 / float16 model runs its "
@@ -68,13 +72,14 @@ def add_bench_train_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
     return p
 
 
+@under_sdpa_priority
 def run_bench_train(args: argparse.Namespace) -> int:
     check_json_output(args.json, inputs=[args.model])  # before the benchmark, not after it
     result = bench_train(
         model=args.model, preset=args.preset, trainable=args.trainable, capacity=args.capacity, layers=args.layers,
         batch=args.batch, gradient_checkpointing=args.gradient_checkpointing, mixed_precision=args.mixed_precision,
         warmup=args.warmup, repeats=args.repeats, threads=args.threads, progress=not args.no_progress, seed=args.seed,
-        device=args.device, dtype=args.dtype,
+        device=args.device, dtype=args.dtype, compile=args.compile,
     )
     print(format_train_result(result))
     write_json_result(args.json, result)

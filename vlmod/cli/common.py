@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from vlmod.bench import parse_layers
-from vlmod.cli.argtypes import add_dtype_argument, device, non_negative_int, positive_int
+from vlmod.cli.argtypes import add_dtype_argument, device, non_negative_int, positive_int, sdpa_order
 from vlmod.errors import InputError
 
 EXIT_USAGE = 2
@@ -112,3 +112,23 @@ def add_device_arguments(p: argparse.ArgumentParser, auto: str, what: str = "wei
         help="torch device both models run on; on a GPU every timing waits for its kernels (default: cpu)",
     )
     add_dtype_argument(p).help = f"{what}: auto is {auto} (default: auto)"
+    p.add_argument(
+        "--sdpa-priority", type=sdpa_order, default=None, metavar="LIST",
+        help="order in which torch's scaled_dot_product_attention tries its GPU kernels, e.g. "
+        "flash,efficient,cudnn,math (flash before cuDNN, whose kernel costs about 1.2 ms of host time a call on an "
+        "H200) (default: torch's own order)",
+    )
+
+
+def under_sdpa_priority(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """A benchmark's run function, with its `--sdpa-priority` (`add_device_arguments`) in force."""
+    import functools
+
+    from vlmod.bench.timing import sdpa_priority
+
+    @functools.wraps(run)
+    def wrapped(args: argparse.Namespace) -> int:
+        with sdpa_priority(getattr(args, "sdpa_priority", None)):
+            return run(args)
+
+    return wrapped

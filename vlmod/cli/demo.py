@@ -38,6 +38,8 @@ def add_demo_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
     p.add_argument("--timing-runs", type=non_negative_int, default=5, help="timed generates per model per "
                    "request, MoD and dense interleaved: time to first token and decode per token shown apart, "
                    "medians with their interval; 0 = no latency (default: 5)")
+    p.add_argument("--compile", action="store_true", help="both models decode compiled (vlmod.compile), compiled "
+                   "before the first request; a family that cannot compile says why and runs eager (default: off)")
     p.set_defaults(run=run_demo, model_flags=(("model", "--model"), ("dense", "--dense")))
     return p
 
@@ -52,6 +54,7 @@ def run_demo(args: argparse.Namespace) -> int:
             args.model, args.dense, host=args.host, port=args.port, max_upload_mb=args.max_upload_mb,
             max_new_tokens=args.max_new_tokens, num_frames=args.frames, device=args.device,
             max_active=args.max_active, max_waiting=args.max_waiting, timing_runs=args.timing_runs,
+            compile=args.compile,
         )
     except (DemoSetupError, FileNotFoundError, TypeError, ValueError) as e:
         raise UsageError(str(e)) from None

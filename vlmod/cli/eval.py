@@ -4,6 +4,7 @@ LLaVA-format QA data, optionally side by side with a second model (`vlmod.evalua
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import torch
@@ -15,6 +16,7 @@ from vlmod.data import DataError, load_records
 from vlmod.evaluation import evaluate as ev  # looked up at call time: a test may replace a function
 from vlmod.evaluation.latency import TIMING_RUNS
 from vlmod.io.paths import check_not_among
+from vlmod.tools.compile import maybe_compile
 
 
 def add_eval_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
@@ -53,6 +55,9 @@ def add_evaluate_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     parser.add_argument("--timing-runs", type=non_negative_int, default=TIMING_RUNS,
                         help="timed generate runs of each model on the first batch, a MoD model and the same "
                              f"weights dense interleaved, median shown; 0 = no latency (default: {TIMING_RUNS})")
+    parser.add_argument("--compile", action="store_true",
+                        help="decode compiled (vlmod.compile; the first batch of each shape compiles), the same "
+                             "answers as eager (default: off)")
     parser.add_argument("--json", help="write the reports (every sample included) to this JSON file")
     parser.add_argument("--no-progress", action="store_true")
     parser.set_defaults(run=run_evaluate)
@@ -81,6 +86,7 @@ def run_evaluate(args: argparse.Namespace) -> int:
         model, processor = ev.load_model(path, args.device, args.dtype)
         if args.capacity is not None and path == args.model:
             set_capacity(model, args.capacity)
+        maybe_compile(model, args.compile, warn=lambda line: print(line, file=sys.stderr))
         reports.append(ev.evaluate(
             model, processor, args.data, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
             limit=args.limit, progress=not args.no_progress, name=label or default,

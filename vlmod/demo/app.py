@@ -183,6 +183,7 @@ def create_app(
     timing_runs: int = TIMING_RUNS,
     tmp_dir: str | Path | None = None,
     examples_dir: Path = EXAMPLES_DIR,
+    compile: bool = False,  # noqa: A002
 ) -> Starlette:
     """The demo app serving `model_dir` (default: the embedded model) and, when given or embedded,
     its dense counterpart for side-by-side answers and latency.
@@ -191,7 +192,8 @@ def create_app(
     `timing_runs` > 0 both models are warmed up here and each request times them fairly
     (`vlmod.demo.latency.measure_latency`), 0 reports no latency.
     max_active / max_waiting: requests decoding or running at once / queued for a turn (the rest
-    get 503): what bounds the server's memory under parallel uploads.
+    get 503): what bounds the server's memory under parallel uploads. compile: both models decode
+    compiled (`vlmod.compile`), compiled at the warm-up.
     """
     limits = Limits(
         max_upload=int(max_upload_mb * 2**20), max_new_tokens=max_new_tokens, num_frames=num_frames,
@@ -199,7 +201,7 @@ def create_app(
         max_resized_pixels=max_resized_pixels, max_active=max_active, max_waiting=max_waiting,
     )
     model_path, dense_path = resolve_model_dirs(model_dir, dense_dir)
-    loaded = load_model(model_path, dense_path, device=device)
+    loaded = load_model(model_path, dense_path, device=device, compile=compile)
     if timing_runs > 0:
         warm_up(loaded)  # before any request is timed: latency is reported only once this ran
     about = about_model(loaded, embedded=model_path == DEFAULT_MODEL_DIR)

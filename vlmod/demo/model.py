@@ -14,6 +14,7 @@ import vlmod
 from vlmod.demo.layout import side_of
 from vlmod.demo.pictures import setting
 from vlmod.io.hf import load_vlm, loading_kwargs
+from vlmod.tools.compile import maybe_compile
 
 
 @dataclass
@@ -82,9 +83,12 @@ def _name(path: Path | str) -> str:
     return path.name if isinstance(path, Path) else path
 
 
-def load_model(path: str | Path, dense_path: str | Path | None = None, device: str = "cpu") -> LoadedModel:
+def load_model(
+    path: str | Path, dense_path: str | Path | None = None, device: str = "cpu", compile: bool = False  # noqa: A002
+) -> LoadedModel:
     """Load a converted checkpoint (and a dense one to compare with: a local directory or a hub
-    id, see `vlmod.demo.checkpoints`) for the demo."""
+    id, see `vlmod.demo.checkpoints`) for the demo; with `compile`, both decode compiled
+    (`vlmod.compile`, or eager with one line saying why not)."""
     if Path(path).expanduser().exists():
         path = Path(path).expanduser()
     loading = loading_kwargs("auto", device)  # the checkpoint's own dtype, straight onto a GPU
@@ -100,4 +104,7 @@ def load_model(path: str | Path, dense_path: str | Path | None = None, device: s
         dense = vlmod.load_pretrained(dense_path, **loading).to(device).eval()
         if vlmod.mod_layers(dense):
             vlmod.remove_mod(dense)
+    for each in (model, dense):
+        if each is not None:
+            maybe_compile(each, compile, warn=lambda line: print(f"vlmod demo: {line}", flush=True))
     return LoadedModel(model=model, processor=processor, path=path, dense=dense, dense_path=dense_path)

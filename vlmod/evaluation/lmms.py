@@ -42,7 +42,7 @@ from vlmod.tools.cache import generate_cache
 
 MODEL_ID = "vlmod"
 MODEL_ARGS = ("pretrained", "capacity", "router", "device", "dtype", "batch_size", "max_frames", "max_new_tokens",
-              "max_batch_size")
+              "compile", "max_batch_size")
 _VISION = (int(TokenType.IMAGE), int(TokenType.VIDEO))
 
 
@@ -107,6 +107,18 @@ def _positive_int(name: str, value: Any) -> int:
     return number
 
 
+def _flag(name: str, value: Any) -> bool:
+    """A boolean model arg as lmms-eval passes it (True / "True" / "true" / "1", or False ...)."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes"):
+        return True
+    if text in ("false", "0", "no", ""):
+        return False
+    raise _refuse(f"{name} must be true or false, got {brief(value)}")
+
+
 def check_model_args(
     pretrained: Any, capacity: Any, router: Any, device: Any, dtype: Any, max_frames: Any, max_new_tokens: Any,
     unknown: dict[str, Any],
@@ -163,6 +175,7 @@ class VLMod(lmms):
         batch_size: int | str = 1,
         max_frames: int = 8,
         max_new_tokens: int = 256,
+        compile: bool | str = False,  # noqa: A002
         max_batch_size: int | None = None,  # lmms-eval passes it; batches are --batch_size
         **unknown: Any,
     ) -> None:
@@ -172,6 +185,7 @@ class VLMod(lmms):
         )
         if not str(batch_size).startswith("auto"):
             _positive_int("batch_size", batch_size)
+        _flag("compile", compile)  # a bad value refused before anything loads
         from transformers import AutoProcessor
 
         from vlmod.io.hf import check_finite, loading_kwargs
@@ -191,6 +205,10 @@ class VLMod(lmms):
         if router is not None:
             vlmod.set_router(self.model, str(router))
         self.model.to(self.device).eval()
+        if _flag("compile", compile):
+            from vlmod.tools.compile import maybe_compile
+
+            maybe_compile(self.model, True, warn=lambda line: logger.warning(f"vlmod: {line}"))
         self.processor = AutoProcessor.from_pretrained(pretrained)
         self.tokenizer = getattr(self.processor, "tokenizer", self.processor)
         self.tokenizer.padding_side = "left"  # prompts end together: generation and scoring read the last columns

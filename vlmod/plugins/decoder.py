@@ -221,6 +221,7 @@ class DecoderAdapter(SlotMasks):
         self.batch: _Batch | None = None
         # Per MoD layer: absolute positions and validity of the slots in its KV cache.
         self.cache_slots: dict[int, Any] = {}
+        self.capacities: dict[int, float] = {}  # of the MoD layers, set by each forward
 
     def install(self) -> None:
         """Called by `apply_mod` once the part is converted (and `uninstall` by `remove_mod`)."""
@@ -273,6 +274,7 @@ class DecoderAdapter(SlotMasks):
         return (embeds == ref).all(-1)
 
     def begin_forward(self, part: MoDPart, args: tuple, kwargs: dict) -> None:
+        self.capacities = part.capacities
         if args:
             kwargs = {**dict(zip(self.entry_params, args, strict=False)), **kwargs}
         cache = cache_of(kwargs)
@@ -440,9 +442,12 @@ class DecoderAdapter(SlotMasks):
         it does no more than that: every operation here costs as much as a small tensor op."""
         cache = self.cache_arg.get(args, kwargs)
         if self.batch.compiled:
-            mask = compiled_layer(cache, layer_idx).decode_mask()
+            # Layers of one capacity hold as many slots, valid alike: one mask for all of them.
+            layer = compiled_layer(cache, layer_idx)
+            key = ("compiled", self.capacities.get(layer_idx), layer.max_cache_len)
+            mask = self._shared_mask(key, layer.decode_mask)
             if self.text_config._attn_implementation == "eager":
-                mask = masks.additive(mask, x.dtype)
+                mask = self._shared_mask((*key, "eager"), lambda: masks.additive(mask, x.dtype))
             args, kwargs = list(args), dict(kwargs)
             self.mask_arg.set(args, kwargs, mask)
             return upstream(*args, **kwargs)

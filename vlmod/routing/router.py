@@ -39,6 +39,10 @@ class Router(nn.Linear):
             weight, bias = self.weight, self.bias
         if weight.dtype is not torch.float32:  # a no-op .float() still costs a dispatch per layer and step
             weight, bias = self._float_weights(weight, bias)
+        if torch.compiler.is_compiling():
+            # One fused reduction (casts included) where compiled, not casts around a GEMV
+            # library call: a decode step's router is one kernel, not four.
+            return (x.float() * weight.float()).sum(-1, keepdim=True) + bias.float()
         if x.dtype is not torch.float32:
             x = x.float()
         if torch.is_autocast_enabled(x.device.type):

@@ -175,6 +175,9 @@ class CompiledLayer(StaticLayer):
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         needed = key_states.shape[-2] + max(self.max_new_tokens, 1)
         self.max_cache_len = -(-needed // SLOT_BUCKET) * SLOT_BUCKET
+        # On the device from the start: StaticLayer's host tensor moved there would be a blocking copy
+        # (a host sync per layer in every prefill).
+        self.cumulative_length = torch.zeros((), dtype=torch.long, device=key_states.device)
         super().lazy_initialization(key_states, value_states)
         self.valid = torch.ones(self.batch_size, self.max_cache_len, dtype=torch.bool, device=self.device)
         self.slot_ids = torch.arange(self.max_cache_len, device=self.device)

@@ -65,6 +65,18 @@ def compile(model: nn.Module, mode: str | None = None, fullgraph: bool = True) -
     return model
 
 
+def compile_layers(model: nn.Module) -> int:
+    """Compile each decoder layer of the language model (`nn.Module.compile`, dynamic shapes:
+    a MoD layer's gathered length changes with the batch) for training steps, where a whole-model
+    graph would break at every batch's budgets; routing, gather and gate compile with the upstream
+    block they wrap. Returns how many layers."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
+    layers = base.get_decoder().layers
+    for layer in layers:
+        layer.compile(dynamic=True)
+    return len(layers)
+
+
 def compiled(model: nn.Module) -> bool:
     """Whether `vlmod.compile` was applied to `model`."""
     return bool(getattr(model, COMPILED_ATTR, False))
