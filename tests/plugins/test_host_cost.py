@@ -85,7 +85,7 @@ def test_routed_attention_runs_without_a_mask_where_it_is_plain_causal(monkeypat
         decode = calls.language(layers)
     length = inputs["input_ids"].shape[1]
     routed = sorted(layer for _, layer in vlmod.mod_layers(mod))
-    for layer, (n_query, n_key, attn_mask, is_causal) in enumerate(prefill):
+    for layer, (n_query, _, attn_mask, is_causal) in enumerate(prefill):
         assert attn_mask is None and is_causal, layer
         assert (n_query < length) == (layer in routed)  # routed layers run on their gathered tokens
     for layer in routed:

@@ -290,3 +290,37 @@ def test_gpu_timings_are_judged_by_spread_alone(monkeypatch):
         t.gpu = True
     judged = contention(busy)
     assert not judged.contended and judged.others_cores is None and judged.clean_repeats == [0, 1, 2, 3]
+
+
+@pytest.mark.slow
+def test_bench_llava_compile_decodes_compiled_and_reports_what_compiling_cost(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert main(["bench", "llava", "--preset", "tiny", "--new-tokens", "3", "--compile", "--json", str(out), *FAST]) == 0
+    printed = capsys.readouterr().out
+    assert "decode compiled (vlmod.compile" in printed
+    result = json.loads(out.read_text())
+    first = result["compile"]["first_call_s"]
+    assert first["dense"] > 0 and first["mod"] > 0
+    assert result["decode_lockstep"] is None  # compiled steps are timed inside generate only
+    assert result["mod"]["decode_step_s"] > 0
+
+
+def test_bench_compile_refuses_transformers_dynamic_cache(capsys):
+    assert main(["bench", "llava", "--preset", "tiny", "--compile", "--cache", "dynamic", *FAST]) == 2
+    _one_error_line(capsys, "--compile decodes on vlmod's own cache")
+
+
+def test_bench_sdpa_priority_names_are_checked(capsys):
+    assert main(["bench", "llava", "--preset", "tiny", "--sdpa-priority", "flash,fast"]) == 2
+    _one_error_line(capsys, "unknown SDPA backend fast")
+
+
+def test_bench_ops_prints_the_host_cost_table(tmp_path, capsys):
+    out = tmp_path / "ops.json"
+    assert main(["bench", "ops", "--families", "llava", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "| llava | 2 |" in printed
+    row = json.loads(out.read_text())["families"][0]
+    assert row["prefill_per_layer"] <= 15 and row["decode_per_layer"] <= 4
+    assert main(["bench", "ops", "--families", "llava,nope"]) == 2
+    _one_error_line(capsys, "unknown nope")
