@@ -63,6 +63,17 @@ class _AttentionCalls:
         return self.calls[-n_layers:]
 
 
+def _prefill_and_step(mod, inputs: dict, calls: _AttentionCalls, layers: int) -> tuple[list, list]:
+    """The language layers' attention calls of a prefill on vlmod's cache and of one decode step."""
+    with torch.inference_mode():
+        out = mod(**inputs, **generate_cache(mod, 2), use_cache=True, logits_to_keep=1)
+        prefill = calls.language(layers)
+        token = out.logits[:, -1:].argmax(-1)
+        mask = torch.cat([inputs["attention_mask"], torch.ones_like(token)], dim=1)
+        mod(input_ids=token, attention_mask=mask, **{CACHE: output_cache(out)}, use_cache=True)
+    return prefill, calls.language(layers)
+
+
 def _llava(capacity: float = 0.5):
     model, processor = tiny.build("llava")
     mod = vlmod.apply_mod(copy.deepcopy(model), vlmod.MoDConfig(capacity=capacity, layers="every_other"))
@@ -75,14 +86,7 @@ def test_routed_attention_runs_without_a_mask_where_it_is_plain_causal(monkeypat
     _, mod, processor = _llava()
     inputs = tiny_inputs("llava", processor)
     layers = mod.config.text_config.num_hidden_layers
-    calls = _AttentionCalls(monkeypatch)
-    with torch.inference_mode():
-        out = mod(**inputs, **generate_cache(mod, 2), use_cache=True, logits_to_keep=1)
-        prefill = calls.language(layers)
-        token = out.logits[:, -1:].argmax(-1)
-        mask = torch.cat([inputs["attention_mask"], torch.ones_like(token)], dim=1)
-        mod(input_ids=token, attention_mask=mask, **{CACHE: output_cache(out)}, use_cache=True)
-        decode = calls.language(layers)
+    prefill, decode = _prefill_and_step(mod, inputs, _AttentionCalls(monkeypatch), layers)
     length = inputs["input_ids"].shape[1]
     routed = sorted(layer for _, layer in vlmod.mod_layers(mod))
     for layer, (n_query, _, attn_mask, is_causal) in enumerate(prefill):
@@ -109,7 +113,7 @@ def test_several_queries_after_a_cache_take_the_lower_right_causal_form(monkeypa
         second = mod(input_ids=ids[:, cut:], attention_mask=mask, **{CACHE: output_cache(first)}, use_cache=True)
     layers = mod.config.text_config.num_hidden_layers
     for layer, (n_query, n_key, attn_mask, _) in enumerate(calls.language(layers)):
-        if (("language", layer)) in vlmod.mod_layers(mod):
+        if ("language", layer) in vlmod.mod_layers(mod):
             assert isinstance(attn_mask, CausalBias) and (n_query, n_key) == (4, ids.shape[1]), layer
     torch.testing.assert_close(second.logits, whole, atol=1e-5, rtol=1e-5)
 
@@ -121,14 +125,7 @@ def test_a_padded_batch_builds_one_mask_per_forward(monkeypatch):
     inputs = padded_batch(processor, "llava")
     layers = mod.config.text_config.num_hidden_layers
     routed = [layer for _, layer in vlmod.mod_layers(mod)]
-    calls = _AttentionCalls(monkeypatch)
-    with torch.inference_mode():
-        out = mod(**inputs, **generate_cache(mod, 2), use_cache=True, logits_to_keep=1)
-        prefill = calls.language(layers)
-        token = out.logits[:, -1:].argmax(-1)
-        mask = torch.cat([inputs["attention_mask"], torch.ones_like(token)], dim=1)
-        mod(input_ids=token, attention_mask=mask, **{CACHE: output_cache(out)}, use_cache=True)
-        decode = calls.language(layers)
+    prefill, decode = _prefill_and_step(mod, inputs, _AttentionCalls(monkeypatch), layers)
     for step in (prefill, decode):
         masks = [step[layer][2] for layer in routed]
         assert all(isinstance(m, torch.Tensor) for m in masks)

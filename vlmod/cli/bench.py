@@ -110,6 +110,7 @@ def run_bench_vit(args: argparse.Namespace) -> int:
 
 
 def _add_cache_argument(p: argparse.ArgumentParser) -> None:
+    """--cache, --decode-bound and --compile: how the models decode."""
     p.add_argument(
         "--cache", choices=CACHES, default=DEFAULT_CACHE,
         help="KV cache both models generate with: preallocated (vlmod.preallocated_cache, written in place) "
@@ -121,9 +122,6 @@ def _add_cache_argument(p: argparse.ArgumentParser) -> None:
         "run their blocks ungated over the same small caches in decode steps): what MoD could decode at if "
         "routing cost nothing (default: off; a third model over the same weights; needs --new-tokens >= 2)",
     )
-
-
-def _add_compile_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--compile", action="store_true",
         help="decode compiled, both models (vlmod.compile: torch.compile with fullgraph of each decode step on a "
@@ -170,7 +168,6 @@ def add_bench_llava_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
            help="prompts per batch (default: 1)")
     p.add_argument("--new-tokens", type=positive_int, default=16, help="tokens to generate (default: 16)")
     _add_cache_argument(p)
-    _add_compile_argument(p)
     _add_control_argument(p)
     add_device_arguments(p, "the checkpoint's own, float32 for llava-1.5, bfloat16 for the -full preset")
     add_timing_arguments(p, warmup=1, repeats=5)
@@ -224,7 +221,6 @@ def add_bench_video_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--new-tokens", type=positive_int, default=16, help="tokens to generate (default: 16)")
     _add_cache_argument(p)
-    _add_compile_argument(p)
     _add_control_argument(p)
     add_device_arguments(p, "the checkpoint's own, float32 for the small presets, bfloat16 for -full")
     add_timing_arguments(p, warmup=1, repeats=5)

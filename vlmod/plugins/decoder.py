@@ -29,6 +29,7 @@ import vlmod.plugins.hf_vision as hf_vision
 from vlmod.config import MoDConfig, TokenType
 from vlmod.plugins.base import PartSpec
 from vlmod.plugins.calls import ArgSlot, cache_name, cache_of
+from vlmod.plugins.features import FEATURES_ATTR, VISION_TYPES, count_features, uncount_features
 from vlmod.plugins.key_slots import SlotMasks, cached_length, compiled_layer
 from vlmod.routing import masks
 from vlmod.routing.attention import AttentionQK
@@ -36,76 +37,6 @@ from vlmod.routing.layer import MoDPart
 from vlmod.routing.selection import Selection, TokenLayout, routable_mask
 
 IGNORE_INDEX = -100
-VISION_TYPES = frozenset({TokenType.IMAGE, TokenType.VIDEO})
-# The `FeatureTally` of the family's inner model (vision feature tokens merged in this forward).
-FEATURES_ATTR = "_vlmod_features"
-
-
-class FeatureTally:
-    """Vision feature tokens merged in the current forward, by kind (reset by each forward)."""
-
-    def __init__(self) -> None:
-        self.image = 0
-        self.video = 0
-        self.seen = False  # get_placeholder_mask ran in this forward
-
-    def reset(self) -> None:
-        self.image = self.video = 0
-        self.seen = False
-
-    def routable(self, types: Any) -> int:
-        return (self.image if TokenType.IMAGE in types else 0) + (self.video if TokenType.VIDEO in types else 0)
-
-
-class FeatureCounting:
-    """Put in front of a family's inner model class (`model.model`): remembers how many image and
-    video feature tokens its `get_placeholder_mask` was handed, a shape, so a batch of one knows
-    how many of its tokens are routable without reading a tensor (no host sync; transformers
-    itself checks that the placeholders match that count)."""
-
-    def get_placeholder_mask(self, *args: Any, **kwargs: Any) -> Any:
-        mask = super().get_placeholder_mask(*args, **kwargs)  # type: ignore[misc]
-        tally = getattr(self, FEATURES_ATTR, None)
-        if tally is not None:
-            named = {**dict(zip(type(self)._vlmod_mask_params, args, strict=False)), **kwargs}
-            embeds = named.get("inputs_embeds")
-            if embeds is not None:
-                width = embeds.shape[-1]
-                image, video = named.get("image_features"), named.get("video_features")
-                if isinstance(image, Tensor):
-                    tally.image += image.numel() // width
-                if isinstance(video, Tensor):
-                    tally.video += video.numel() // width
-                tally.seen = True
-        return mask
-
-
-_COUNTING_CLASSES: dict[type, type] = {}
-
-
-def count_features(inner: nn.Module) -> None:
-    """Give `inner` (a family's `model.model`) the `FeatureCounting` class in front of its own,
-    under the same name; a class without `get_placeholder_mask` is left as it is."""
-    cls = type(inner)
-    if issubclass(cls, FeatureCounting) or not hasattr(cls, "get_placeholder_mask"):
-        return
-    if cls not in _COUNTING_CLASSES:
-        params = [p for p in inspect.signature(cls.get_placeholder_mask).parameters if p != "self"]
-        made = type(cls.__name__, (FeatureCounting, cls), {"_vlmod_mask_params": params})
-        made.__qualname__, made.__module__ = cls.__qualname__, cls.__module__
-        _COUNTING_CLASSES[cls] = made
-    inner.__class__ = _COUNTING_CLASSES[cls]
-    inner.__dict__[FEATURES_ATTR] = FeatureTally()
-
-
-def uncount_features(inner: nn.Module) -> None:
-    """Undo `count_features`."""
-    cls = type(inner)
-    if issubclass(cls, FeatureCounting):
-        inner.__class__ = next(c for c in cls.__mro__[1:] if c is not FeatureCounting and not issubclass(c, FeatureCounting))
-    inner.__dict__.pop(FEATURES_ATTR, None)
-
-
 def padding_of(mask: Tensor | None, length: int) -> Tensor | None:
     """[B, length] bool: which of the call's `length` tokens are padding, from the attention mask
     it was given: the usual 2D one ([B, cached + length], 0 on padding), or the 4D one generate
@@ -423,10 +354,10 @@ class DecoderAdapter(SlotMasks):
     def _gather_rope(self, rope: tuple[Tensor, Tensor], sel: Selection) -> tuple[Tensor, Tensor]:
         """RoPE (cos, sin) of the selected tokens: one gather of both, joined once per forward
         (every layer of a forward gets the same pair)."""
-        cos, sin = rope
-        if len(rope) != 2 or cos.shape != sin.shape or torch.compiler.is_compiling():
+        if len(rope) != 2 or rope[0].shape != rope[1].shape or torch.compiler.is_compiling():
             # (Compiled, the gathers fuse anyway, and a cache keyed by tensor would be a guard.)
             return tuple(sel.gather(t) for t in rope)  # type: ignore[return-value]
+        cos, sin = rope
         joined = self.batch.rope.get(id(cos))
         if joined is None or joined[0] is not cos:
             joined = self.batch.rope[id(cos)] = (cos, torch.cat([cos, sin], dim=-1))
