@@ -8,7 +8,10 @@
 #
 # ROWS: a comma list of row names (default: all) to split the rows over calls of a short lease.
 # Environment: WHEELS=DIR installs the wheels there first (--no-deps, into /tmp/vlmod-site: a
-# machine with no network, whose transformers is older than vlmod's); CLIP=PATH a clip of 32+
+# machine with no network, whose transformers is older than vlmod's; made here with
+#   pip download "transformers==5.24.0" av --python-version 3.12 --only-binary=:all: --no-deps \
+#     --platform manylinux_2_28_x86_64 -d .gpu/wheels
+# and carried with the call, .gpu/ being git-ignored locally); CLIP=PATH a clip of 32+
 # frames (default: one generated with PyAV); DEVICE (default cuda); LLAVA_PRESET / VIDEO_PRESET
 # (default the -full 7B presets; `tiny` runs the script's logic on a CPU in a minute).
 set -uo pipefail
