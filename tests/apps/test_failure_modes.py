@@ -375,6 +375,22 @@ def test_bad_flags_are_one_error_line(work, tmp_path, capsys, monkeypatch):
         assert key in _error_line(capsys)
 
 
+def test_devices_torch_knows_but_vlmod_does_not_run_on_are_refused_in_the_flag(work, capsys, monkeypatch):
+    """Before: --device meta and --device xpu passed the device check (torch knows both), then failed
+    deep, in a traceback: "Tensor.item() cannot be called on meta tensors" after the model loaded,
+    "Torch not compiled with XPU enabled". Now the flag refuses them."""
+    _no_loading(monkeypatch)
+    model, data = str(work / "dense"), str(work / "data" / "val.json")
+    for device, reason in (("meta", "the meta device holds shapes, not values, so no model runs on it; use cpu, "
+                                    "cuda or mps"),
+                           ("xpu", "vlmod runs on cpu, cuda and mps, not xpu; use one of those")):
+        for argv in (["eval", "--model", model, "--data", data], ["bench", "llava", "--preset", "tiny"],
+                     ["bench", "train", "--preset", "tiny"], ["demo"]):
+            assert cli_main([*argv, "--device", device]) == 2, argv
+            assert _error_line(capsys) == (f"error: argument --device: --device {device}: {reason} (see vlmod "
+                                           f"{' '.join(a for a in argv[:2] if not a.startswith('-'))} --help)"), argv
+
+
 # ---------------------------------------------------------------------- errors that say exactly what is wrong
 
 

@@ -218,6 +218,38 @@ def test_a_full_disk_at_converts_tokenizer_json_is_one_line(work, tmp_path, caps
     assert list(tmp_path.iterdir()) == []
 
 
+# A recipe small enough to reach its convert stage in seconds.
+SMALL_RECIPE = ["recipe", "--quick", "--no-progress", "--num-train", "8", "--num-val", "2", "--baseline-samples", "2",
+                "--tower-steps", "0", "--dense-steps", "1"]
+
+
+def _full(*args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_a_full_disk_in_the_recipe_is_one_line(tmp_path, capsys, monkeypatch):
+    """Before: the safetensors layout's raw OSError (the init stage's save) and, at the convert
+    stage, a ConvertError, each a traceback. Now one line and exit status 2 for both, naming what to
+    do, and no temp file or half-written model left in --out."""
+    import vlmod.io.safetensors_layout
+    import vlmod.tools.convert
+
+    out = tmp_path / "run"
+    monkeypatch.setattr(vlmod.io.safetensors_layout, "_copy_range", _full)  # the init stage's layout rewrite
+    assert cli_main([*SMALL_RECIPE, "--out", str(out)]) == 2
+    assert _error_line(capsys) == (f"error: could not write under --out {out}: No space left on device; nothing was "
+                                   "left half-written: free space or choose another --out, then run again with "
+                                   "--reuse-dense (if its dense stage finished) or --overwrite")
+    assert sorted(p.name for p in out.iterdir()) == [".vlmod-made.json", "data"]  # no init/, no init.tmp/
+    monkeypatch.undo()
+    monkeypatch.setattr(vlmod.tools.convert, "align_folder", _full)
+    assert cli_main([*SMALL_RECIPE, "--out", str(out), "--overwrite"]) == 2
+    assert _error_line(capsys) == (f"error: could not save the converted model to {out / 'converted'}: No space left "
+                                   "on device (not created); free space or choose another --out")
+    assert not any("tmp" in p.name for p in out.rglob("*")) and not (out / "converted").exists()
+    assert (out / "dense" / "model" / "model.safetensors").is_file()  # the stages before it are whole
+
+
 # ----------------------------------------------------------------------------- Ctrl-C
 
 

@@ -42,7 +42,7 @@ def video_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
 def test_recipe_writes_every_method_at_every_compute_point(task: str, image_run: tuple, video_run: tuple) -> None:
     out, result = image_run if task == "image" else video_run
     s = result.settings
-    saved = json.loads((out / "results.json").read_text())
+    saved = json.loads((out / "results.json").read_text(), parse_constant=pytest.fail)  # strict JSON: no NaN
     rows = saved["results"]
     assert [r["method"] for r in rows if r["target"] is None] == ["dense"] + ["dense-control"] * s.dense_control
     # Every method at every point: a row, or a record that the point is past its largest reduction.
@@ -319,6 +319,34 @@ def test_recipe_settings_refuse_bad_values(tmp_path: Path, capsys: pytest.Captur
         assert message in capsys.readouterr().err
 
 
+def test_train_up_to_must_be_finite_and_results_json_is_strict(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: `--train-up-to nan` was accepted (nan <= 1 is false), the MoD stage trained at the
+    first point only, and results.json held `NaN`, which strict JSON parsers reject. Now the flag
+    (and the setting) refuses it, and results.json is written as strict JSON: a NaN that got in
+    anyway is a ValueError naming where, with nothing written."""
+    from vlmod.cli import main
+    from vlmod.io.files import write_json
+
+    _no_recipe_work(monkeypatch)
+    for argv in (["--train-up-to", "nan"], ["--train-up-to", "inf"], ["--targets", "2", "nan"]):
+        assert main(["recipe", "--quick", "--out", str(tmp_path / "run"), *argv]) == 2
+        assert _error_line(capsys) == (f"error: argument {argv[0]}: expected a finite number, got {argv[-1]} (see "
+                                       "vlmod recipe --help)")
+    with pytest.raises(InputError, match=r"train_up_to must be a finite number \(an LM FLOPs reduction > 1\), got nan"):
+        RecipeSettings.for_task("image", train_up_to=float("nan"))
+    with pytest.raises(InputError, match=r"targets are finite LM FLOPs reductions > 1"):
+        RecipeSettings.for_task("image", targets=(2.0, float("inf")))
+    assert not (tmp_path / "run").exists()
+    data = {"settings": {"train_up_to": 3.5}, "results": [{"accuracy": 1.0}, {"accuracy": float("nan")}]}
+    with pytest.raises(ValueError, match=r"results.json: results\[1\].accuracy is nan, which JSON cannot hold; "
+                                         "nothing was written"):
+        write_json(tmp_path / "results.json", data, strict=True)
+    assert list(tmp_path.iterdir()) == []
+    write_json(tmp_path / "results.json", data)  # not strict: as before, for the writers that keep NaN
+    assert "NaN" in (tmp_path / "results.json").read_text()
+
+
 # ------------------------------------------------------------------ the output folder
 
 
@@ -429,6 +457,44 @@ def test_a_second_recipe_on_the_same_out_is_refused(tmp_path: Path, capsys: pyte
         assert not out.exists()
     finally:
         os.close(fd)
+
+
+def test_reuse_of_a_damaged_record_is_one_line_naming_the_file(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: a JSONDecodeError traceback, for --reuse-dense with a damaged dense/recipe.json or
+    dense/train_log.json and for --reuse-trained with a damaged train_log.json or results.json. Now
+    one line that names the file and says what to do; nothing is trained or written over."""
+    from vlmod.cli import main
+    from vlmod.recipes.reuse import reusable_finetune
+    from vlmod.training.config import TrainConfig
+
+    _no_recipe_work(monkeypatch)
+    out = _earlier_run(tmp_path / "run")
+    record, log = out / "dense" / "recipe.json", out / "dense" / "train_log.json"
+    fix = "pass --overwrite instead of --reuse-dense to train every stage again, or choose another --out"
+    for path, text, reason in ((record, '{"settings": {}, "stage', "Unterminated string starting at: line 1 column 18 "
+                                                                  "(char 17)"),
+                               (record, "[]", "not a JSON object"),
+                               (log, "{", "Expecting property name enclosed in double quotes: line 1 column 2 (char 1)")):
+        path.write_text(text)
+        assert main(["recipe", "--quick", "--out", str(out), "--reuse-dense"]) == 2
+        assert _error_line(capsys) == f"error: --reuse-dense: {path} is damaged ({reason}); {fix}"
+        assert (out / "dense" / "model" / "model.safetensors").read_bytes() == b"the first run's weights"
+        record.write_text(json.dumps({"settings": {}, "stage_seconds": {}}))
+        log.unlink(missing_ok=True)
+    (out / "mod" / "model").mkdir(parents=True)
+    (out / "mod" / "model" / "model.safetensors").write_bytes(b"weights")
+    (out / "mod" / "train_log.json").write_text('{"config": ')
+    (out / "results.json").write_text(json.dumps({"settings": {}, "stage_seconds": {}}))
+    cfg = TrainConfig(model=str(out / "converted"), data="train.json", output_dir=str(out / "mod"))
+    with pytest.raises(InputError) as caught:
+        reusable_finetune(out, cfg)
+    assert str(caught.value) == (f"--reuse-trained: {out / 'mod' / 'train_log.json'} is damaged (Expecting value: "
+                                 "line 1 column 12 (char 11)); drop --reuse-trained to train the fine-tunes again")
+    (out / "mod" / "train_log.json").write_text(json.dumps({"config": cfg.to_dict()}))
+    (out / "results.json").write_text('{"stage_seconds": 3}')
+    with pytest.raises(InputError, match=r"results.json is damaged \(no stage_seconds in it\); drop --reuse-trained"):
+        reusable_finetune(out, cfg)
 
 
 def test_stack_share_is_one_share_or_one_per_target() -> None:

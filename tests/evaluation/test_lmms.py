@@ -256,6 +256,32 @@ def test_bad_model_args_stop_before_loading_in_one_line(work: Path, args: dict, 
     assert err.count("error:") == 1 and f"error: vlmod model_args: {message}" in err, err
 
 
+def test_capacity_or_router_on_a_dense_checkpoint_and_no_pretrained_stop_in_one_line(
+    work: Path, capsys, monkeypatch
+) -> None:
+    """Before: `vlmod.set_capacity` / `set_router` raised ValueError ("this model has no MoD layers")
+    after the dense model loaded, and without pretrained= the constructor raised TypeError: both
+    printed as tracebacks by lmms-eval, which then exited 0."""
+    from vlmod.evaluation.lmms import ModelArgsError, VLMod
+
+    monkeypatch.setattr(vlmod, "load_pretrained", lambda *a, **k: pytest.fail("the checkpoint was loaded"))
+    dense = work / "dense"
+    cases = [
+        ({"pretrained": str(dense), "capacity": 0.25},
+         f"capacity=0.25: pretrained={dense} has no MoD layers (a dense checkpoint); convert it first (vlmod convert) "
+         "or drop capacity="),
+        ({"pretrained": str(dense), "capacity": "0.5", "router": "random"},
+         f"capacity=0.5, router=random: pretrained={dense} has no MoD layers (a dense checkpoint); convert it first "
+         "(vlmod convert) or drop capacity= and router="),
+        ({"batch_size": 2}, "pretrained=DIR is required (a vlmod or Hugging Face checkpoint folder, or a hub id)"),
+    ]
+    for args, message in cases:
+        with pytest.raises(ModelArgsError) as caught:
+            VLMod(**args)
+        assert caught.value.code == 2
+        assert capsys.readouterr().err == f"error: vlmod model_args: {message}\n"
+
+
 def test_the_lmms_eval_command_exits_2_on_a_bad_model_arg(work: Path) -> None:
     cli = Path(sys.executable).with_name("lmms-eval")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(work / "hf")}

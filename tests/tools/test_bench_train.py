@@ -237,3 +237,20 @@ def test_head_positions_follow_transformers_logits_to_keep():
     assert head_positions(torch.tensor([2, 5]), 2) == 2.0
     assert head_positions(torch.tensor([[1, 2, 3], [0, 4, 5]]), 2) == 3.0
     assert head_positions(mask, 2) == 3.5
+
+
+def test_bench_train_runs_a_float16_checkpoint_under_bf16_and_refuses_float16_weights(tmp_path, capsys):
+    """Before: a traceback, "Unexpected floating ScalarType in at::autocast::prioritize" (bfloat16
+    autocast meets float16 weights). A float16 checkpoint (llava-hf's are) now loads in bfloat16, as
+    `vlmod finetune` loads it; --dtype float16 with bf16 is one line, before anything loads."""
+    model, processor = tiny.build("llava")
+    model.to(torch.float16).save_pretrained(tmp_path / "dense16")
+    processor.save_pretrained(tmp_path / "dense16")
+    out = tmp_path / "train.json"
+    argv = ["bench", "train", "--model", str(tmp_path / "dense16"), "--mixed-precision", "bf16", *FAST]
+    assert main([*argv, "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["dtype"] == "bfloat16"
+    capsys.readouterr()
+    assert main([*argv, "--dtype", "float16"]) == 2
+    assert capsys.readouterr().err == ("error: --dtype float16 with --mixed-precision bf16: bfloat16 autocast cannot run "
+                                       "float16 weights; use --dtype bfloat16, auto or float32, or --mixed-precision no\n")

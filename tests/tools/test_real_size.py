@@ -342,3 +342,26 @@ def test_scale_check_replaces_and_deletes_only_what_it_made(tmp_path, monkeypatc
     assert len(ran) == 3 and not (root / "ft-router").exists() and (root / "notes.txt").read_text() == "beside the run"
     assert main(argv) == 1  # a rerun owns what the first run made
     assert len(ran) == 6
+
+
+def test_a_scale_check_workdir_that_is_a_file_or_read_only_is_one_line(tmp_path, monkeypatch, capsys) -> None:
+    """Issue 58 reported a pathlib traceback for both; `--workdir` is checked before anything is
+    created (`vlmod.io.paths.check_output_dir`), so each is one line and no stage runs."""
+    import os
+
+    import vlmod.recipes.scale_check as sc
+
+    monkeypatch.setattr(sc, "run_measured", lambda *a, **k: pytest.fail("a stage ran"))
+    afile = tmp_path / "afile"
+    afile.write_text("a user's file")
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o555)
+    real = os.access  # root writes anywhere: the folder reads as read-only to this check, as it would to a user
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if Path(p) == locked and mode & os.W_OK
+                        else real(p, mode, **kw))
+    for workdir, reason in ((afile, f"{afile} is a file, so {afile / 'llava-1.5-7b-2'} cannot be created"),
+                            (locked, f"the folder {locked} is not writable")):
+        assert main(["scale-check", "--workdir", str(workdir), "--layers", "2", "--no-progress"]) == 2
+        assert capsys.readouterr().err == (f"error: --workdir {workdir / 'llava-1.5-7b-2'}: {reason}; choose another "
+                                           "path\n")
+    assert afile.read_text() == "a user's file" and list(locked.iterdir()) == []

@@ -342,3 +342,32 @@ def test_gradient_checkpointing_and_a_capacity_schedule_train(workdir: Path, tmp
     assert sorted(capacities) == [("language", 1), ("language", 2), ("language", 3)]
     assert capacities[("language", 1)] > capacities[("language", 3)]
     assert loaded.config.vlmod["language"]["aux_loss"] == "bce"
+
+
+def _float16_copy(workdir: Path, out: Path) -> Path:
+    """The tiny dense model saved in float16, as llava-hf's checkpoints are."""
+    from transformers import AutoProcessor
+
+    vlmod.load_pretrained(workdir / "dense").to(torch.float16).save_pretrained(out)
+    AutoProcessor.from_pretrained(workdir / "dense").save_pretrained(out)
+    return out
+
+
+def test_a_float16_checkpoint_trains_under_bf16_and_float16_weights_are_refused(
+    workdir: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Before: both ended in a traceback, "Unexpected floating ScalarType in at::autocast::prioritize"
+    (bfloat16 autocast meets the float16 weights). Now the float16 checkpoint loads in bfloat16, and
+    an explicit float16 is one line before the model loads."""
+    model = _float16_copy(workdir, tmp_path / "dense16")
+    run = ["finetune", "--model", str(model), "--data", str(workdir / "data" / "train.json"), "--mixed-precision",
+           "bf16", "--max-steps", "1", "--batch-size", "4", "--no-progress"]
+    assert cli_main([*run, "--output-dir", str(tmp_path / "auto")]) == 0
+    assert "weights: frozen in bfloat16" in capsys.readouterr().out
+    assert (tmp_path / "auto" / "model" / "model.safetensors").is_file()
+    assert cli_main([*run, "--output-dir", str(tmp_path / "f16"), "--dtype", "float16"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("error: dtype float16 with mixed_precision bf16: the forward runs under bfloat16 autocast, which "
+                   "cannot run float16 weights on cpu; set dtype to bfloat16 or float32, or mixed_precision to no "
+                   "(--dtype / --mixed-precision)\n")
+    assert not (tmp_path / "f16" / "model").exists()

@@ -73,6 +73,28 @@ def _is_video(model: str | None, preset: str | None) -> bool:
     return "video" in kind or "onevision" in kind
 
 
+def frozen_dtype(model: str | None, dtype: str | torch.dtype | None, mixed_precision: str) -> str | torch.dtype | None:
+    """The dtype the frozen weights load in (`dtype`, None or "auto": the checkpoint's own): bf16
+    autocast cannot run float16 weights (torch stops at the first op that meets both), so a float16
+    checkpoint (llava-hf's are) loads in bfloat16 for `mixed_precision: bf16`, as `vlmod finetune`
+    loads it, and `dtype` float16 with it is refused, before anything loads."""
+    from vlmod.io.hf import checkpoint_dtype, load_config, torch_dtype
+
+    if mixed_precision != "bf16":
+        return dtype
+    wanted = torch_dtype(dtype)
+    if wanted == torch.float16:
+        raise InputError("--dtype float16 with --mixed-precision bf16: bfloat16 autocast cannot run float16 weights; "
+                         "use --dtype bfloat16, auto or float32, or --mixed-precision no")
+    if wanted != "auto" or model is None:
+        return dtype
+    try:
+        stored = checkpoint_dtype(load_config(model))
+    except (OSError, ValueError):
+        return dtype  # build_pair says what is wrong with the checkpoint, in one line
+    return torch.bfloat16 if stored == torch.float16 else dtype
+
+
 def synthetic_batch(processor: Any, size: int, batch: int, words: int, video: bool, directory: Path) -> dict[str, Any]:
     """One training batch of `batch` rows as the finetune path makes it: LLaVA-format records
     (a synthetic image or clip, a question of `words` words, an answer) read by `LlavaDataset`
@@ -229,6 +251,10 @@ def bench_train(
     if model is None and preset not in TRAIN_PRESETS:
         raise InputError(f"unknown preset {preset!r}; choose one of {sorted(TRAIN_PRESETS)}")
     video = _is_video(model, preset)
+    try:
+        dtype = frozen_dtype(model, dtype, mixed_precision)
+    except ValueError as e:  # an unknown dtype name
+        raise InputError(str(e)) from None
     torch.manual_seed(seed)
     dense, mod, processor, words, mod_source = build_pair(
         model, preset, TRAIN_PRESETS, capacity, layers, default_video_layers if video else DEFAULT_LAYERS,
@@ -426,6 +452,7 @@ __all__ = [
     "TrainingStep",
     "bench_train",
     "format_train_result",
+    "frozen_dtype",
     "prepare_training",
     "step_speedups",
     "synthetic_batch",

@@ -89,8 +89,9 @@ def sdpa_order(text: str) -> str:
 
 
 def device(text: str) -> str:
-    """A torch device that exists on this machine: a name torch does not know, or cuda / mps when
-    torch sees none, is an error here rather than a traceback after the model loaded."""
+    """A torch device that exists on this machine and vlmod runs on (cpu, cuda, mps): a name torch
+    does not know, cuda / mps when torch sees none, and the devices torch knows but vlmod does not
+    run on (meta, xpu, ...) are an error here rather than a traceback after the model loaded."""
     import torch
 
     try:
@@ -106,8 +107,12 @@ def device(text: str) -> str:
             )
     elif dev.type == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
         raise argparse.ArgumentTypeError(f"--device {text}: MPS is not available on this machine; use cpu")
-    elif dev.type not in ("cpu", "cuda", "mps", "xpu", "meta"):
-        raise argparse.ArgumentTypeError(f"--device {text}: unsupported device type; use cpu, cuda or mps")
+    elif dev.type == "meta":  # torch knows it, and a model loads there, but nothing computes: a deep traceback later
+        raise argparse.ArgumentTypeError(f"--device {text}: the meta device holds shapes, not values, so no model "
+                                         "runs on it; use cpu, cuda or mps")
+    elif dev.type not in ("cpu", "cuda", "mps"):  # xpu, hpu, ...: vlmod runs on none of them
+        raise argparse.ArgumentTypeError(f"--device {text}: vlmod runs on cpu, cuda and mps, not {dev.type}; use one "
+                                         "of those")
     return text
 
 

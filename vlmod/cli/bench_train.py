@@ -57,7 +57,8 @@ def add_bench_train_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
     p.add_argument("--gradient-checkpointing", action="store_true",
                    help="recompute each layer's activations in backward (default: off)")
     p.add_argument("--mixed-precision", choices=MIXED_PRECISION, default="no",
-                   help="run the forward under bfloat16 autocast (float32 master weights) (default: no)")
+                   help="run the forward under bfloat16 autocast (float32 master weights; a float16 checkpoint's "
+                   "frozen weights then load in bfloat16) (default: no)")
     p.add_argument("--compile", action="store_true",
                    help="compile each decoder layer of both models (dynamic shapes; the first step compiles and "
                    "its time is reported) (default: off, eager)")

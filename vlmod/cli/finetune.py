@@ -46,7 +46,8 @@ _OVERRIDES: tuple[tuple[str, Any, str], ...] = (
     ("epochs", float, "epochs when --max-steps is not set"),
     ("batch_size", int, "samples per process per micro-batch"),
     ("gradient_accumulation_steps", int, "micro-batches per optimizer step"),
-    ("mixed_precision", str, f"{', '.join(PRECISIONS)}"),
+    ("mixed_precision", str, f"{', '.join(PRECISIONS)} (bf16 with --dtype auto loads a float16 checkpoint's frozen "
+     "weights in bfloat16)"),
     ("save_steps", int, "accelerator.save_state every N steps (0: never)"),
     ("eval_steps", int, "validation loss every N steps (0: never)"),
     ("log_steps", int, "log loss / lr / skip rate every N steps"),

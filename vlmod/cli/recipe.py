@@ -8,7 +8,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from vlmod.cli.argtypes import int_at_least, non_negative_float, positive_int
+from vlmod.cli.argtypes import finite_float, int_at_least, non_negative_float, positive_int
 from vlmod.cli.common import SubParsers
 from vlmod.errors import InputError
 from vlmod.recipes.settings import DEFAULT_STACK_SHARE, ISOFLOP_DENSE_STEPS, TASKS, RecipeSettings
@@ -31,15 +31,15 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("refine_steps", int_at_least(0), "steps of the second dense stage: tower frozen, distilled from the first "
                                       "dense model, which later stages then replace by the refined one (0: none)"),
     ("image_steps", int_at_least(0), "steps of the image stage before video training (0: none)"),
-    ("dense_lr", float, "learning rate of dense training"),
+    ("dense_lr", finite_float, "learning rate of dense training"),
     ("batch_size", positive_int, "training batch size"),
     ("mod_steps", positive_int, "steps of MoD fine-tuning"),
-    ("mod_lr", float, "learning rate of MoD fine-tuning"),
-    ("router_lr", float, "learning rate of the routers"),
+    ("mod_lr", finite_float, "learning rate of MoD fine-tuning"),
+    ("router_lr", finite_float, "learning rate of the routers"),
     ("capacity_warmup", non_negative_float, "share of the MoD fine-tune over which capacity falls from 1.0 to "
                                             "each step's draw (or a step count if >= 1)"),
     ("mod_layers", str, "converted language layers: 'all' (every layer but 0) or 'arank:N'"),
-    ("train_up_to", float, "the MoD fine-tune trains at the capacities of the points up to this LM FLOPs "
+    ("train_up_to", finite_float, "the MoD fine-tune trains at the capacities of the points up to this LM FLOPs "
                            "reduction (each step draws one); points past it are evaluated on that model"),
     ("stack_scoring", str, "MoD stacked on pre-LLM reduction: its ranking, cls, mean (every query's attention), "
                            "deviation (each feature's distance from its frame's mean) or novelty (deviation, but "
@@ -48,8 +48,8 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
                                               "are VisionZip's contextual tokens (the dropped ones merged)"),
     ("stack_steps", int_at_least(0), "MoD stacked on pre-LLM reduction: steps the MoD model trains on behind the "
                                      "reduction, each at one stacked point's keep and capacity (0: none)"),
-    ("stack_lr", float, "learning rate of that stage"),
-    ("stack_train_from", float, "that stage draws the stacked points past this LM FLOPs reduction (1: every one; None: "
+    ("stack_lr", finite_float, "learning rate of that stage"),
+    ("stack_train_from", finite_float, "that stage draws the stacked points past this LM FLOPs reduction (1: every one; None: "
                                 "past --train-up-to)"),
     ("image_size", positive_int, "image / frame side in pixels (vision tokens: (side / patch)^2 an image, a "
                                  "quarter of that a frame)"),
@@ -123,7 +123,7 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
             shown += f"; --isoflop {ISOFLOP_DENSE_STEPS}"
         parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, default=None,
                             help=f"{text} (default: {shown})")
-    parser.add_argument("--targets", type=float, nargs="+", default=None,
+    parser.add_argument("--targets", type=finite_float, nargs="+", default=None,
                         help=f"LM prefill FLOPs reductions to reach (default: {' '.join(map(str, image.targets))})")
     parser.add_argument("--stack-share", nargs="+", type=share_at_target, default=None, metavar="[TARGET=]SHARE",
                         help="MoD stacked on pre-LLM reduction: the reduction's share of each point's LM FLOPs "

@@ -177,9 +177,14 @@ def _balanced_plan(rng: np.random.Generator, n: int, qtypes: Sequence[str]) -> l
 
 
 def _write_bytes(path: Path, data: bytes) -> None:
+    """`data` to `path` through a temp file and a rename: a full disk leaves no half-written file."""
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _write_png(path: Path, img: np.ndarray) -> None:

@@ -159,7 +159,25 @@ def check_model_args(
             torch.device(str(device))
         except (RuntimeError, ValueError):
             raise _refuse(f"device must be auto, cpu, cuda or cuda:N, got {brief(device)}") from None
+    given = [f"{name}={v}" for name, v in (("capacity", capacity), ("router", router)) if v is not None]  # both valid
+    if given:
+        _check_converted(pretrained, given)
     return value, _positive_int("max_frames", max_frames), _positive_int("max_new_tokens", max_new_tokens)
+
+
+def _check_converted(pretrained: Any, given: list[str]) -> None:
+    """`capacity=` / `router=` (`given`, as passed) change a checkpoint's MoD layers: refuse a dense
+    `pretrained`, from its config alone (`vlmod.set_capacity` would raise once it had loaded)."""
+    from vlmod.io.hf import load_config
+
+    try:
+        converted = bool(getattr(load_config(str(pretrained)), "vlmod", None))
+    except (OSError, InputError) as e:
+        raise _refuse(str(e).splitlines()[0]) from None
+    if not converted:
+        drop = " and ".join(g.split("=", 1)[0] + "=" for g in given)
+        raise _refuse(f"{', '.join(given)}: pretrained={pretrained} has no MoD layers (a dense checkpoint); convert it "
+                      f"first (vlmod convert) or drop {drop}")
 
 
 class VLMod(lmms):
@@ -167,7 +185,7 @@ class VLMod(lmms):
 
     def __init__(
         self,
-        pretrained: str,
+        pretrained: str | None = None,  # required: check_model_args says so in one line (Python in a traceback)
         capacity: float | None = None,
         router: str | None = None,
         device: str | None = None,
@@ -200,10 +218,14 @@ class VLMod(lmms):
             check_finite(self.model, pretrained)
         except InputError as e:  # a damaged checkpoint, a family vlmod does not know: also one line
             raise _refuse(str(e)) from None
-        if capacity is not None:
-            vlmod.set_capacity(self.model, float(capacity))
-        if router is not None:
-            vlmod.set_router(self.model, str(router))
+        try:  # checked against the config already; what only the loaded model tells (attention
+            # scoring a family cannot run) is one line too
+            if capacity is not None:
+                vlmod.set_capacity(self.model, float(capacity))
+            if router is not None:
+                vlmod.set_router(self.model, str(router))
+        except ValueError as e:
+            raise _refuse(str(e).splitlines()[0]) from None
         self.model.to(self.device).eval()
         if _flag("compile", compile):
             from vlmod.tools.compile import maybe_compile

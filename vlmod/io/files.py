@@ -4,6 +4,7 @@ file), one writer at a time for an output folder, and the YAML config files comm
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -83,9 +84,31 @@ def write_text(path: str | os.PathLike[str], text: str) -> None:
     write_bytes_atomic(path, text.encode("utf-8"))
 
 
-def write_json(path: str | os.PathLike[str], data: Any) -> None:
-    """Write `data` as indented JSON, atomically."""
-    write_text(path, json.dumps(data, indent=2, sort_keys=False) + "\n")
+def write_json(path: str | os.PathLike[str], data: Any, strict: bool = False) -> None:
+    """Write `data` as indented JSON, atomically. `strict`: a NaN or infinity in it (which Python
+    writes as NaN / Infinity, and strict JSON parsers reject) is a ValueError naming where it is,
+    and nothing is written: a bug, caught here rather than in whoever reads the file."""
+    try:
+        text = json.dumps(data, indent=2, sort_keys=False, allow_nan=not strict)
+    except ValueError:
+        where = _non_finite(data, "")
+        if where is None:
+            raise
+        raise ValueError(f"{path}: {where[0] or 'the value'} is {where[1]}, which JSON cannot hold; nothing was "
+                         "written") from None
+    write_text(path, text + "\n")
+
+
+def _non_finite(data: Any, at: str) -> tuple[str, float] | None:
+    """(where, value) of the first NaN or infinity in `data` (`at`: where `data` is), else None."""
+    if isinstance(data, float) and not math.isfinite(data):
+        return at, data
+    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, (list, tuple)) else ()
+    for key, value in items:
+        found = _non_finite(value, f"{at}[{key}]" if isinstance(key, int) else f"{at}.{key}" if at else str(key))
+        if found is not None:
+            return found
+    return None
 
 
 def save_pretrained_atomic(model: Any, processor: Any, folder: str | os.PathLike[str]) -> Path:

@@ -117,7 +117,7 @@ def _run_isoflop(recipe: _Recipe, reuse_dense: bool) -> dict[str, Any]:
                      "planned_step_flops": per_step, **_measured(cost, seconds), **_evaluated(row, dense_row)})
     result = {"settings": s.to_dict(), "rows": rows, "stage_seconds": recipe.result.stages,
               "machine": {"platform": platform.platform(), "threads": torch.get_num_threads()}}
-    write_json(recipe.out / "isoflop.json", result)
+    write_json(recipe.out / "isoflop.json", result, strict=True)
     table = format_isoflop(result)
     write_text(recipe.out / "isoflop.md", table + "\n")
     recipe.log(table)

@@ -259,8 +259,8 @@ class _Recipe(PointEvaluations):
         s, result = self.s, self.result
         result.stages.update(reusable_dense(self.out, s))
         self.log(f"== reusing the dense model in {self.first_dense} (trained in {result.stages['train dense']:.0f} s)")
-        if not self.val_json.is_file() or len(json.loads(self.val_json.read_text())) != s.num_val:
-            self.stages.run("data", self.make_data)  # another validation size; the same seed writes the same training set
+        if self.val_count() != s.num_val:  # another size (or none that reads); the same seed writes the same training set
+            self.stages.run("data", self.make_data)
         if not s.refine_steps:
             return
         refined = reusable_refined(self.out, s)
@@ -272,6 +272,13 @@ class _Recipe(PointEvaluations):
         else:
             result.stages["refine dense"] = refined["refine dense"]
             self.log(f"== reusing the refined dense model in {self.dense} (refined in {refined['refine dense']:.0f} s)")
+
+    def val_count(self) -> int | None:
+        """How many records the validation set in `out` holds; None when it is missing or damaged."""
+        try:
+            return len(json.loads(self.val_json.read_text(encoding="utf-8")))
+        except (OSError, UnicodeDecodeError, RecursionError, ValueError, TypeError):
+            return None
 
     # -- evaluation helpers and the dense row --------------------------------------------------
 
@@ -403,7 +410,7 @@ class _Recipe(PointEvaluations):
 
     def write_results(self) -> RecipeResult:
         self.record_costs()
-        write_json(self.out / "results.json", self.result.to_dict())
+        write_json(self.out / "results.json", self.result.to_dict(), strict=True)  # no NaN: strict parsers read it
         table = format_results(self.result)
         write_text(self.out / "results.md", table + "\n")
         frontier.plot_frontier(self.result.rows, self.out / "frontier.png",

@@ -9,6 +9,7 @@ folder at a time: a second one on the same `--out` stops in one line (the lock `
 
 from __future__ import annotations
 
+import errno
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -76,12 +77,36 @@ def recipe_folder(out: str | Path, reuse_dense: bool = False, overwrite: bool = 
         folder.parent.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise InputError(f"cannot write to {folder.parent}: {err.strerror or err}") from None
-    with sole_writer(folder, InputError, "--out"):
+    with sole_writer(folder, InputError, "--out"), full_disk(folder):
         check_recipe_out(folder, reuse_dense, overwrite)  # again, locked: another run may have started in between
         folder.mkdir(exist_ok=True)
         if made_by(folder) != RECIPE:
             Ledger(folder, RECIPE).save()
         yield folder
+
+
+# What a write raises when the disk (or the user's quota) is full, or the file system went read-only.
+FULL_DISK = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
+
+
+@contextmanager
+def full_disk(folder: Path) -> Iterator[None]:
+    """A recipe's stages write with atomic writers (`vlmod.io.files`; `train` and `convert` through
+    temp folders renamed into place, and they say a full disk in one line themselves): what a
+    full disk raises in any other writer (the safetensors layout's OSError, the Rust writer's
+    SafetensorError) becomes one InputError line too, and what was written is complete."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (OSError, SafetensorError) as e:
+        if isinstance(e, OSError) and e.errno not in FULL_DISK:
+            raise  # not a write that ran out of room: a bug, with its traceback
+        reason = getattr(e, "strerror", None) or (str(e).splitlines() or [type(e).__name__])[0]
+        then = ("run again with --reuse-dense (if its dense stage finished) or --overwrite" if entries(folder)
+                else "run again")
+        raise InputError(f"could not write under --out {folder}: {reason}; nothing was left half-written: free space "
+                         f"or choose another --out, then {then}") from None
 
 
 def changed_settings(saved: dict[str, Any], now: Any, keys: Any) -> list[str]:
@@ -91,21 +116,53 @@ def changed_settings(saved: dict[str, Any], now: Any, keys: Any) -> list[str]:
     return [k for k in keys if saved.get(k, defaults.get(k)) != getattr(now, k)]
 
 
+# What to do about a damaged record of an earlier run, which --reuse-dense / --reuse-trained cannot keep.
+REUSE_DENSE = ("--reuse-dense", "pass --overwrite instead of --reuse-dense to train every stage again, or choose "
+                                "another --out")
+REUSE_TRAINED = ("--reuse-trained", "drop --reuse-trained to train the fine-tunes again")
+
+
+def read_record(path: Path, reuse: tuple[str, str], keys: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The JSON object an earlier run wrote at `path` (a stage's recipe.json or train_log.json,
+    results.json), holding a mapping at each of `keys`; InputError naming the flag that reads it,
+    the file, and what to do (`reuse`: flag, fix) when it cannot be read, is not JSON (a disk that
+    filled up, an edit), or lacks one."""
+    flag, fix = reuse
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, RecursionError, ValueError) as e:
+        reason = getattr(e, "strerror", None) or (str(e).splitlines() or [type(e).__name__])[0][:120]
+    else:
+        missing = [k for k in keys if not isinstance(data, dict) or not isinstance(data.get(k), dict)]
+        if not missing:
+            return data
+        reason = f"no {' or '.join(missing)} in it" if isinstance(data, dict) else "not a JSON object"
+    raise InputError(f"{flag}: {path} is damaged ({reason}); {fix}")
+
+
 def _finished(out: Path, run: str) -> dict[str, Any] | None:
+    """The record of `run`'s stage in `out` if it finished (its model and recipe.json written), its
+    training log checked too (what the results' cost section reads); None if it did not finish."""
     record = out / run / "recipe.json"
     if not (out / run / "model" / "model.safetensors").is_file() or not record.is_file():
         return None
-    return json.loads(record.read_text())
+    if (out / run / "train_log.json").is_file():
+        read_record(out / run / "train_log.json", REUSE_DENSE, ("config",))
+    return read_record(record, REUSE_DENSE, ("settings", "stage_seconds"))
 
 
 def reusable_dense(out: Path, s: Any) -> dict[str, float]:
-    """The stage times of an earlier run's (first) dense model in `out`, if trained with these settings."""
+    """The stage times of an earlier run's (first) dense model in `out`, if trained with these
+    settings; its record (and the image stage's log, which it started from) checked."""
     before = _finished(out, DENSE_RUN)
     if before is None:
         raise InputError(f"--reuse-dense: {out} holds no finished dense stage (dense/model and dense/recipe.json)")
     changed = changed_settings(before["settings"], s, DENSE_SETTINGS)
     if changed:
         raise InputError(f"--reuse-dense: the dense model in {out} was trained with other {', '.join(changed)}")
+    image_log = out / TRAINING_RUNS["train on images"] / "train_log.json"
+    if image_log.is_file():
+        read_record(image_log, REUSE_DENSE, ("config",))
     return before["stage_seconds"]
 
 
@@ -122,7 +179,8 @@ def dense_model_dir(out: Path) -> Path:
     """The dense model that a finished run in `out` ranked, converted and compared against: the
     refined one where its settings refined it (`refine_steps`), else the first."""
     results = out / "results.json"
-    refined = results.is_file() and json.loads(results.read_text())["settings"].get("refine_steps", 0)
+    refined = results.is_file() and read_record(results, ("results", "run the recipe again"), ("settings",))[
+        "settings"].get("refine_steps", 0)
     return out / (REFINED_RUN if refined else DENSE_RUN) / "model"
 
 
@@ -144,7 +202,7 @@ def reusable_finetune(out: Path, cfg: Any) -> tuple[Path, float]:
     if not (run / "model" / "model.safetensors").is_file() or not log.is_file() or not results.is_file():
         raise InputError(f"--reuse-trained: {out} holds no finished {run.name} stage and results.json; "
                          "run the recipe without it once")
-    saved = json.loads(log.read_text())["config"]
+    saved = read_record(log, REUSE_TRAINED, ("config",))["config"]
     changed = changed_settings(saved, cfg, [f.name for f in fields(cfg) if f.name not in _RUN_PATHS])
     # Paths follow --out (the folder may have moved), but which run they name must not change:
     # a fine-tune from the first dense model is no use once the recipe starts from the refined one.
@@ -152,12 +210,13 @@ def reusable_finetune(out: Path, cfg: Any) -> tuple[Path, float]:
     if changed:
         raise InputError(f"--reuse-trained: the {run.name} stage in {out} was trained with other {', '.join(changed)}")
     stage = {r: st for st, r in TRAINING_RUNS.items()}[run.name]
-    seconds = json.loads(results.read_text())["stage_seconds"].get(stage)
+    seconds = read_record(results, REUSE_TRAINED, ("stage_seconds",))["stage_seconds"].get(stage)
     if seconds is None:  # trained with these settings outside the recipe (its config YAML): its steps' time
-        seconds = sum(json.loads(log.read_text()).get("cost", {}).get("step_seconds", []))
+        seconds = sum(read_record(log, REUSE_TRAINED, ("config",)).get("cost", {}).get("step_seconds", []))
     return run / "model", seconds
 
 
-__all__ = ["CONTROL_STAGES", "DENSE_RUN", "DENSE_SETTINGS", "RECIPE", "REFINED_RUN", "REFINE_SETTINGS", "TRAINING_RUNS",
-           "changed_settings", "check_recipe_out", "dense_model_dir", "made_by_recipe", "recipe_folder", "reusable_dense",
+__all__ = ["CONTROL_STAGES", "DENSE_RUN", "DENSE_SETTINGS", "FULL_DISK", "RECIPE", "REFINED_RUN", "REFINE_SETTINGS",
+           "REUSE_DENSE", "REUSE_TRAINED", "TRAINING_RUNS", "changed_settings", "check_recipe_out",
+           "dense_model_dir", "full_disk", "made_by_recipe", "read_record", "recipe_folder", "reusable_dense",
            "reusable_finetune", "reusable_refined"]

@@ -3,6 +3,7 @@ it gives back (`RecipeResult`)."""
 
 from __future__ import annotations
 
+import math
 import platform
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -164,10 +165,12 @@ class RecipeSettings:
     def __post_init__(self) -> None:
         if self.task not in TASKS:
             raise InputError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
-        if not self.targets or any(t <= 1.0 for t in self.targets):
-            raise InputError(f"targets are LM FLOPs reductions > 1 (e.g. 2 for half the FLOPs), got {self.targets}")
+        if not self.targets or not all(math.isfinite(t) and t > 1.0 for t in self.targets):
+            raise InputError(f"targets are finite LM FLOPs reductions > 1 (e.g. 2 for half the FLOPs), got {self.targets}")
         if self.task == "video" and self.tower_steps and not (self.num_train_images or self.image_model):
             raise InputError("tower pretraining learns on the image set: give num_train_images > 0 or tower_steps 0")
+        if not math.isfinite(self.train_up_to):  # nan compares false with everything: it trained at the first point
+            raise InputError(f"train_up_to must be a finite number (an LM FLOPs reduction > 1), got {self.train_up_to}")
         if self.train_up_to <= 1.0:
             raise InputError(f"train_up_to is an LM FLOPs reduction > 1, got {self.train_up_to}")
         self.stack_share = _shares("stack_share", self.stack_share)

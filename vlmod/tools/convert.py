@@ -17,6 +17,7 @@ from safetensors import SafetensorError
 from tqdm.auto import tqdm
 
 from vlmod.config import DTYPES, MoDConfig
+from vlmod.errors import InputError
 from vlmod.io.files import read_yaml_mapping, sole_writer
 from vlmod.io.hf import checkpoint_dtype, load_config, model_class, torch_dtype
 from vlmod.io.safetensors_layout import align_folder, damaged_safetensors
@@ -28,8 +29,9 @@ REPORT = "vlmod_report.json"
 MAX_SHARD_SIZE = "5GB"
 
 
-class ConvertError(ValueError):
-    """Bad input to `convert`: the message says what is wrong and what to do."""
+class ConvertError(InputError):
+    """Bad input to `convert` (or an --out it cannot write): the message says what is wrong and
+    what to do; a command that converts (the recipe) reports it as its one `error:` line."""
 
 
 @dataclass

@@ -37,18 +37,39 @@ from vlmod.training.logits import answer_logits_inputs
 # ----------------------------------------------------------------------------- model
 
 
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # mixed_precision: the forward's dtype
+
+
 def weights_dtype(cfg: TrainConfig) -> torch.dtype:
     """The dtype of the frozen weights: `dtype:` of the config, "auto" being the checkpoint's own
-    (read from its config, before any weight loads). What trains is float32 whatever this is."""
+    (read from its config, before any weight loads), except that a float16 checkpoint (llava-hf's
+    are) loads in bfloat16 for `mixed_precision: bf16`: bfloat16 autocast cannot run float16
+    weights (`check_precision`). What trains is float32 whatever this is."""
     from vlmod.io.hf import checkpoint_dtype, load_config, torch_dtype
 
     dtype = torch_dtype(cfg.dtype)
     if isinstance(dtype, torch.dtype):
         return dtype
     try:
-        return checkpoint_dtype(load_config(cfg.model))
+        stored = checkpoint_dtype(load_config(cfg.model))
     except (OSError, ValueError) as e:
         raise TrainError(str(e)) from None
+    return torch.bfloat16 if stored == torch.float16 and cfg.mixed_precision == "bf16" else stored
+
+
+def check_precision(frozen: torch.dtype, accelerator: Any) -> None:
+    """Refuse, before the model loads, frozen weights in the other 16-bit dtype than the autocast
+    accelerate runs the forward under (`dtype: float16` with `mixed_precision: bf16`): torch's
+    autocast stops at the first op that meets both ("Unexpected floating ScalarType")."""
+    autocast = AUTOCAST_DTYPES.get(accelerator.mixed_precision) if accelerator.native_amp else None
+    if autocast is None or frozen in (torch.float32, autocast):
+        return
+    have, want = (str(d).removeprefix("torch.") for d in (frozen, autocast))
+    raise TrainError(
+        f"dtype {have} with mixed_precision {accelerator.mixed_precision}: the forward runs under {want} autocast, "
+        f"which cannot run {have} weights on {accelerator.device.type}; set dtype to {want} or float32, or "
+        "mixed_precision to no (--dtype / --mixed-precision)"
+    )
 
 
 def mixed_precision(cfg: TrainConfig, frozen: torch.dtype) -> str:
@@ -274,7 +295,7 @@ def check_memory(model: nn.Module, dataset: Any, cfg: TrainConfig, dtype: torch.
     less than one process's estimate, so they are not refused."""
     first = dataset.collate([dataset[i] for i in range(min(cfg.batch_size, len(dataset)))])
     ids = first["input_ids"]
-    compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, dtype)
+    compute = AUTOCAST_DTYPES.get(accelerator.mixed_precision, dtype)
     keep = answer_logits_inputs(model, first).get("logits_to_keep")
     needed = memory.estimate(
         model, ids.numel(), longest=ids.shape[1], compute_dtype=compute, gradient_checkpointing=cfg.gradient_checkpointing,
@@ -379,6 +400,7 @@ def prepare(cfg: TrainConfig) -> Run:
     resume_from = resolve_resume(cfg)
     frozen_dtype = weights_dtype(cfg)
     accelerator = make_accelerator(cfg, mixed_precision(cfg, frozen_dtype))
+    check_precision(frozen_dtype, accelerator)
     check_launch(accelerator)
     check_lora_sharding(cfg, accelerator)
     set_seed(cfg.seed)
@@ -433,12 +455,14 @@ def prepare(cfg: TrainConfig) -> Run:
 
 
 __all__ = [
+    "AUTOCAST_DTYPES",
     "EpochSampler",
     "Run",
     "add_lora",
     "cast_trainable",
     "check_launch",
     "check_lora_sharding",
+    "check_precision",
     "check_memory",
     "enable_gradient_checkpointing",
     "load_dataset",
