@@ -81,7 +81,8 @@ class Gemma3Adapter(DecoderAdapter):
             kwargs = {**dict(zip(self.entry_params, args, strict=False)), **kwargs}
         token_type_ids = kwargs.get("token_type_ids")
         self.blocks = None
-        if token_type_ids is not None:
+        # One new token (a decode step) is its own block at most, which causal attention covers.
+        if token_type_ids is not None and self.batch.layout.shape[1] > 1:
             from transformers.models.gemma3.modeling_gemma3 import get_block_sequence_ids_for_mask
 
             length = self.batch.positions.shape[1]
@@ -124,7 +125,6 @@ class Gemma3Adapter(DecoderAdapter):
         if cache is not None and layer_idx < len(cache.layers) and cache.layers[layer_idx].is_initialized:
             stored = int(cache.layers[layer_idx].keys.shape[-2])
         prev = self.cache_slots.get(layer_idx) if stored else None
-        ones = torch.ones_like(query_pos, dtype=torch.bool)
         if prev is None:
             key_pos, key_valid = query_pos, query_valid
         else:
@@ -135,9 +135,14 @@ class Gemma3Adapter(DecoderAdapter):
                     "start generation from an empty cache"
                 )
             keep = slice(-stored, None) if window is not None else slice(None, stored)
-            old_valid = prev_valid[:, keep] if prev_valid is not None else torch.ones_like(prev_pos[:, keep], dtype=torch.bool)
             key_pos = torch.cat([prev_pos[:, keep], query_pos], dim=1)
-            key_valid = torch.cat([old_valid, query_valid if query_valid is not None else ones], dim=1)
+            if prev_valid is not None or query_valid is not None:  # else no filler slot anywhere: None
+                old_valid = prev_valid[:, keep] if prev_valid is not None else torch.ones_like(prev_pos[:, keep],
+                                                                                            dtype=torch.bool)
+                new_valid = query_valid if query_valid is not None else torch.ones_like(query_pos, dtype=torch.bool)
+                key_valid = torch.cat([old_valid, new_valid], dim=1)
+            else:
+                key_valid = None
         if window is not None and cache is not None:
             # Keep what the sliding cache keeps (its last window - 1 slots after this update).
             self.cache_slots[layer_idx] = (
@@ -146,9 +151,47 @@ class Gemma3Adapter(DecoderAdapter):
             )
         elif cache is not None:
             self.cache_slots[layer_idx] = (key_pos, key_valid)
-        if key_valid is None and (window is not None or self.blocks is not None):
-            key_valid = torch.ones_like(key_pos, dtype=torch.bool)
         return key_pos, key_valid, stored
+
+    def _keys_then_mask(
+        self, layer_idx: int, cache: Any, query_pos: Tensor, query_valid: Tensor | None, dtype: torch.dtype
+    ) -> Tensor | None:
+        """The layer's mask, built as cheaply as its case allows: none where attention is plain
+        causal (a full-attention layer with no image block in reach and no filler slot), the
+        forward's whole-sequence mask at the selected positions in a prefill from an empty cache
+        (two gathers a layer), the general mask by position otherwise."""
+        key_pos, key_valid, cached = self._cached_keys(layer_idx, cache, query_pos, query_valid)
+        window, single = self.windows[layer_idx], query_pos.shape[1] == 1
+        if key_valid is None:
+            if (self._impl != "eager" and window is None and (cached == 0 or single)
+                    and (self.blocks is None or single)):
+                return None  # a decode token is text: no image block reaches it
+            if cached == 0 and not single:
+                return self._selected_mask(query_pos, window, dtype)
+            if single and window is not None:  # every key precedes the decode token: its window alone
+                allowed = masks.within_window(query_pos, key_pos, window).unsqueeze(1)
+                return masks.as_attention_mask(allowed, self._impl, dtype)
+            key_valid = torch.ones_like(key_pos, dtype=torch.bool)
+        return self._mask(query_pos, key_pos, key_valid, dtype)
+
+    def _selected_mask(self, query_pos: Tensor, window: int | None, dtype: torch.dtype) -> Tensor:
+        """[B, 1, k, k] mask of the selected tokens of a prefill from an empty cache (their keys are
+        the queries): rows then columns of the forward's [B, L, L] mask for this kind of layer,
+        built once per forward (sliding and full) by the same rules as `_mask`."""
+        full = self.batch.masks.get(("gemma3", window))
+        if full is None:
+            pos = self.batch.positions
+            full = masks.causal(pos, pos)
+            if self.blocks is not None:
+                full = full | masks.same_block(self.blocks, self.blocks)
+            if window is not None:
+                full = full & masks.within_window(pos, pos, window)
+            self.batch.masks[("gemma3", window)] = full
+        batch, k = query_pos.shape
+        full = full.expand(batch, -1, -1)
+        rows = full.gather(1, query_pos[:, :, None].expand(-1, -1, full.shape[-1]))
+        allowed = rows.gather(2, query_pos[:, None, :].expand(-1, k, -1))
+        return masks.as_attention_mask(allowed.unsqueeze(1), self._impl, dtype)
 
     def _mask(
         self, query_pos: Tensor, key_pos: Tensor, key_valid: Tensor | None, dtype: torch.dtype
