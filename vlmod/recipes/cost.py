@@ -31,6 +31,7 @@ from typing import Any
 from vlmod.routing.schedule import capacity_to_k, layer_capacities
 from vlmod.tools.flops import DecoderDims, generation_flops
 from vlmod.tools.training_flops import language_training_flops, media_tokens, projector_flops
+from vlmod.training.stability import SPIKE_FACTOR, describe_spikes, loss_spikes, warmup_steps
 
 # TrainConfig.trainable -> what `language_training_flops` counts ("language" trains the same linears as "full").
 _MODES = {"full": "full", "language": "full", "lora": "lora", "router": "router"}
@@ -180,6 +181,7 @@ def run_cost(run_dir: str | Path, data: str | Path | None = None) -> dict[str, A
         "training_flops_per_step": per_sample * samples / steps,
         "dense_flops": dense * samples,
         "mod": routing is not None,
+        "loss_spikes": loss_spikes(log.get("history", []), warmup_steps(log["config"], steps)),
     }
 
 
@@ -205,6 +207,13 @@ def format_costs(costs: dict[str, dict[str, Any] | None]) -> list[str]:
         lines.append(f"| {stage} | {c['steps']} | {c['step_ms_median']:.1f} ({lo:.1f}-{hi:.1f}) | "
                      f"{c['tokens_per_second']:,.0f} | {c['training_flops'] / 1e12:.4g} | "
                      f"{c['training_flops_per_step'] / 1e9:.2f} | {against} |")
+    spiked = [describe_spikes(c["loss_spikes"], f"the {stage} stage") for stage, c in costs.items()
+              if c and c.get("loss_spikes")]
+    recorded = [c for c in costs.values() if c and "loss_spikes" in c]
+    if spiked:
+        lines += [""] + [f"- {line}" for line in spiked]
+    elif recorded:
+        lines += ["", f"No stage's logged loss rose above {SPIKE_FACTOR:g}x its running median after warm-up."]
     return lines
 
 
