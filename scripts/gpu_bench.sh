@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The GPU rows of docs/gpu.md in one go, eager and compiled: LLaVA-1.5-7B and LLaVA-NeXT-Video-7B
 # (the real shapes, random bfloat16 weights built on the GPU), dense and MoD in one process per
-# row, SDPA trying flash before cuDNN; then LoRA training steps and the CUDA tests. One JSON per
-# row and the log in OUT_DIR; a table of the rows at the end (scripts/gpu_table.py).
+# row, SDPA trying flash before cuDNN; then LoRA training steps, a full fine-tune of a tiny MoD
+# model under configs/accelerate/fsdp.yaml and zero3.yaml in one process (Accelerate's GPU path of
+# each), and the CUDA tests. One JSON per benchmark row and the log in OUT_DIR; a table of the
+# rows at the end (scripts/gpu_table.py).
 #
 #   bash scripts/gpu_bench.sh OUT_DIR [ROWS]
 #
@@ -58,6 +60,28 @@ train=(--preset "$video" --trainable lora --capacity 0.2 --warmup 2 --repeats 5)
 [ "$device" = cuda ] && train+=(--dtype bfloat16)
 bench train-lora-c02-b1 150 train "${train[@]}" --batch-size 1
 bench train-lora-c02-b4 150 train "${train[@]}" --batch-size 4
+sharded() {  # name, accelerate config: a 4-step full fine-tune of a tiny MoD model, one process
+  local name=$1 config=$2
+  want "$name" || return 0
+  if [ "$name" = finetune-zero3 ] && ! "$py" -c "import deepspeed" 2>/dev/null; then
+    echo "== $name: skipped (deepspeed is not importable here; carry its wheel in WHEELS)"; return 0
+  fi
+  echo "== $name: accelerate launch --num_processes 1 --config_file $config scripts/finetune.py"
+  local base=$out/sharded start=$SECONDS
+  if [ ! -f "$base/mod/config.json" ]; then
+    "$py" -m vlmod tiny --out "$base/tiny" >/dev/null &&
+      "$py" -m vlmod convert --model "$base/tiny" --out "$base/mod" --capacity 0.5 >/dev/null &&
+      "$py" -m vlmod data synthetic --out "$base/data" --train 32 --val 8 >/dev/null || return 0
+  fi
+  timeout 240 "$py" -m accelerate.commands.launch --num_processes 1 --config_file "$config" scripts/finetune.py \
+    --model "$base/mod" --data "$base/data/train.json" --output-dir "$base/$name" --trainable full \
+    --max-steps 4 --batch-size 2 --save-steps 2 --no-progress 2>&1 | grep -v "Warning\|warn(" | tail -12
+  echo "-- $name: ${PIPESTATUS[0]} after $((SECONDS - start)) s"
+}
+if [ "$device" = cuda ]; then  # Accelerate's real GPU path of the two sharding configs (issue 60)
+  sharded finetune-fsdp2 configs/accelerate/fsdp.yaml
+  sharded finetune-zero3 configs/accelerate/zero3.yaml
+fi
 if want tests && [ "$device" = cuda ]; then
   echo "== tests/gpu"
   timeout 180 "$py" -m pytest -q -p no:cacheprovider -o pythonpath=tests tests/gpu 2>&1 | tail -15

@@ -13,6 +13,7 @@ from vlmod.config import DTYPES
 from vlmod.errors import TrainError
 from vlmod.training.checkpoints import latest_checkpoint
 from vlmod.training.config import LR, PRECISIONS, ROUTER_ONLY_LR, TRACKERS, TRAINABLE, TrainConfig
+from vlmod.training.fsdp import plan_run
 from vlmod.training.train import train
 
 
@@ -26,6 +27,9 @@ def add_finetune_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
     )
     add_config_arguments(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--plan", action="store_true",
+                   help="print what the run needs per GPU on 1, 2, 4 and 8 GPUs under DDP, FSDP2 and ZeRO-3 (with "
+                   "and without CPU offload) and exit: loads the model and a batch, trains nothing (default: off)")
     p.set_defaults(run=run_finetune, model_flags=MODEL_FLAG)
     return p
 
@@ -90,6 +94,9 @@ def run_finetune(args: argparse.Namespace) -> int:
     cfg = None
     try:
         cfg = config_from_args(args)
+        if args.plan:
+            print(plan_run(cfg))
+            return 0
         result = train(cfg, progress=not args.no_progress)
     except TrainError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -102,7 +109,10 @@ def run_finetune(args: argparse.Namespace) -> int:
         return EXIT_INTERRUPTED
     if not result.main_process:
         return 0
-    summary = f"{result.step} steps in {result.seconds:.0f} s"
+    ran = result.step - result.start_step  # this process's steps, not the resumed checkpoint's
+    summary = f"{ran} step{'s' * (ran != 1)} in {result.seconds:.0f} s"
+    if result.start_step:
+        summary += f" (resumed from step {result.start_step}, now at step {result.step})"
     if result.loss is not None:
         summary += f", loss {result.loss:.4f}"
     if result.val_loss is not None:

@@ -25,6 +25,7 @@ from torch import nn
 from vlmod.errors import TrainError
 from vlmod.io.files import write_json
 from vlmod.io.safetensors_layout import align_folder
+from vlmod.training.fsdp import merged_lora_state_dict
 from vlmod.training.merge import merge_lora_mapped
 from vlmod.training.resume import DATA_KEY, data_fingerprint, settings_diff
 
@@ -266,12 +267,16 @@ def save_checkpoint(accelerator: Any, cfg: TrainConfig, state: dict[str, Any]) -
     return final
 
 
-def save_model(accelerator: Any, model: nn.Module, processor: Any, out: Path) -> Path:
+def save_model(accelerator: Any, model: nn.Module, processor: Any, out: Path, dtype: torch.dtype | None = None) -> Path:
     """The trained model as `save_pretrained` writes it (the full state dict gathered under FSDP /
     ZeRO-3; LoRA merged into the weights, a group of projections at a time: `merge_lora_mapped`),
-    plus the processor, to `out` via a temporary dir."""
+    plus the processor, to `out` via a temporary dir. `dtype`: the gathered weights cast to it
+    first (a sharded run's trained shards are float32 master weights that `cast_trainable` cannot
+    reach; one process casts its model before saving, and merges LoRA after that cast too)."""
     state_dict = accelerator.get_state_dict(model)
     tmp = out.with_name(out.name + ".tmp")
+    if accelerator.is_main_process and dtype is not None:
+        state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
         model = accelerator.unwrap_model(model)
@@ -281,7 +286,9 @@ def save_model(accelerator: Any, model: nn.Module, processor: Any, out: Path) ->
 
         scratch = out.with_name(out.name + ".merge.tmp")  # merged LoRA projections, mapped while saving
         try:
-            if hasattr(model, "peft_config"):
+            if hasattr(model, "peft_config") and getattr(accelerator, "is_fsdp2", False):
+                model, state_dict = model.get_base_model(), merged_lora_state_dict(model, state_dict)
+            elif hasattr(model, "peft_config"):
                 model, state_dict = merge_lora_mapped(model, scratch), None
             model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
             align_folder(tmp)  # loading maps the weights and computes what was saved, bit for bit

@@ -150,9 +150,10 @@ def _cgroup_limit() -> int | None:
     return None
 
 
-def check_fits(needed: MemoryEstimate, device: torch.device, error: type[Exception]) -> None:
-    """`error` (one line: what it needs, what is free, what to change) when the estimate exceeds
-    what `device` has; VLMOD_SKIP_MEMORY_CHECK=1 turns the check off (an estimate can be wrong)."""
+def check_fits(needed: MemoryEstimate, device: torch.device, error: type[Exception], plan: str = "") -> None:
+    """`error` (one line: what it needs, what is free, what to change, and `plan`: what it needs
+    per GPU on more of them, `describe_plan`) when the estimate exceeds what `device` has;
+    VLMOD_SKIP_MEMORY_CHECK=1 turns the check off (an estimate can be wrong)."""
     if os.environ.get("VLMOD_SKIP_MEMORY_CHECK") == "1":
         return
     have = available_bytes(device)
@@ -160,11 +161,57 @@ def check_fits(needed: MemoryEstimate, device: torch.device, error: type[Excepti
         raise error(
             f"this fine-tune needs about {needed.describe()}, but {device.type} has {have / GIB:.1f} GiB free; "
             "train less (trainable: router or lora), turn on gradient_checkpointing, lower batch_size, or use a "
-            "machine with more memory (VLMOD_SKIP_MEMORY_CHECK=1 runs it anyway)"
+            f"machine with more memory (VLMOD_SKIP_MEMORY_CHECK=1 runs it anyway){'; ' + plan if plan else ''}"
         )
 
 
-__all__ = ["MemoryEstimate", "available_bytes", "check_fits", "estimate", "process_bytes"]
+GPU_COUNTS = (1, 2, 4, 8)
+ENGINES = ("DDP", "FSDP2", "ZeRO-3", "FSDP2 offload", "ZeRO-3 offload")
+
+
+def plan(needed: MemoryEstimate, unit_bytes: int, gpus: tuple[int, ...] = GPU_COUNTS) -> dict[str, dict[int, int]]:
+    """Bytes per GPU of the run `needed` estimates for one process, on each count of `gpus` under
+    each of `ENGINES` (batch_size per process, as the config says). From the same terms:
+    - DDP: everything on every GPU, and past one GPU a gradient bucket per trainable parameter
+      (4 bytes: DDP's buckets are a second copy of the gradients);
+    - FSDP2 / ZeRO-3 (full sharding): frozen weights and the trainable state split over the GPUs,
+      the activations whole (a process's own micro-batch), plus the gathered layers: `unit_bytes`
+      (the largest shard unit's whole weights) three times, the one running, the one prefetched
+      and the running one's gradients; ZeRO-3's prefetch buckets are counted as FSDP2's units;
+    - offload: the weights and the trainable state on the host (the plan's CPU column is not
+      shown), the GPU holding activations and gathered layers;
+    and the headroom of the one-process estimate, from what each GPU holds of it. The process's
+    own host memory is not a GPU's, so it is left out."""
+    trainable = needed.trainable_state // 16
+    acts = needed.activations
+
+    def gpu(frozen: int, params: int, extra: int) -> int:
+        headroom = 8 * params + HEADROOM + (16 * params + acts) // 10
+        return frozen + 16 * params + acts + extra + headroom
+
+    out: dict[str, dict[int, int]] = {e: {} for e in ENGINES}
+    for n in gpus:
+        gathered = 3 * unit_bytes if n > 1 else 0
+        out["DDP"][n] = gpu(needed.frozen_weights, trainable, 4 * trainable if n > 1 else 0)
+        out["FSDP2"][n] = out["ZeRO-3"][n] = gpu(needed.frozen_weights // n, -(-trainable // n), gathered)
+        offload = acts + 3 * unit_bytes + HEADROOM + acts // 10
+        out["FSDP2 offload"][n] = out["ZeRO-3 offload"][n] = offload
+    return out
+
+
+def describe_plan(table: dict[str, dict[int, int]]) -> str:
+    """One line: per GPU on each count, under each engine ("DDP 1/2/4/8 GPUs: 120/124/124/124 GiB")."""
+    counts = next(iter(table.values())).keys()
+    return "per GPU on " + "/".join(map(str, counts)) + " GPUs: " + ", ".join(
+        f"{engine} " + "/".join(f"{b / GIB:.0f}" if b >= 10 * GIB else f"{b / GIB:.1f}" for b in row.values())
+        for engine, row in table.items()
+    ) + " GiB"
+
+
+__all__ = [
+    "ENGINES", "GPU_COUNTS", "MemoryEstimate", "available_bytes", "check_fits", "describe_plan", "estimate", "plan",
+    "process_bytes",
+]
 
 
 def release_memory() -> None:

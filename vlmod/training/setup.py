@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from vlmod.training import memory
 from vlmod.training.checkpoints import check_output_dir_owner, resolve_resume
 from vlmod.training.config import TrainConfig
 from vlmod.training.distill import Teacher
+from vlmod.training.fsdp import largest_unit_bytes, set_layer_classes, shard_on_cpu
 from vlmod.training.logits import answer_logits_inputs
 
 # ----------------------------------------------------------------------------- model
@@ -161,7 +163,13 @@ def add_lora(model: nn.Module, cfg: TrainConfig) -> nn.Module:
     pattern = rf".*language_model.*\.({'|'.join(cfg.lora_targets)})"
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, target_modules=pattern)
     try:
-        return get_peft_model(model, lora)
+        with warnings.catch_warnings():
+            # The FutureWarning every LoRA run printed (`bench train`, finetune): peft's PeftModel
+            # reads `model.is_gradient_checkpointing`, an alias transformers 5.24 deprecated; what
+            # peft decides from it (an input-grad hook) `drop_input_grads` undoes anyway. Only that
+            # one message, only around this call.
+            warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+            return get_peft_model(model, lora)
     except ValueError as e:
         raise TrainError(f"LoRA: {e}") from None
 
@@ -244,23 +252,25 @@ def check_launch(accelerator: Any) -> None:
         raise TrainError(
             f"the accelerate config asks for FSDP, but accelerate {accelerate.__version__} runs this launch as "
             f"{kind.value} with {accelerator.num_processes} process(es): it sets FSDP up on GPUs (and other "
-            "accelerators) only, not on CPU; on CPU use DDP over gloo "
-            "(ACCELERATE_USE_CPU=true torchrun --nproc_per_node 2 scripts/finetune.py ...)"
+            "accelerators) only, not on CPU, where vlmod runs FSDP2 over gloo in several processes "
+            "(ACCELERATE_USE_CPU=true FSDP_VERSION=2 torchrun --nproc_per_node 2 scripts/finetune.py ...)"
         )
 
 
 def check_lora_sharding(cfg: TrainConfig, accelerator: Any) -> None:
-    """LoRA is merged into the weights at save time, which needs whole parameters: refuse the
-    setups that shard them (FSDP, ZeRO-3) instead of saving a broken model."""
+    """LoRA is merged into the weights at save time, which needs whole parameters: FSDP2 merges
+    them from the gathered state dict (`vlmod.training.fsdp.merged_lora_state_dict`); refuse the
+    setups that shard them otherwise (FSDP1, ZeRO-3) instead of saving a broken model."""
     from accelerate.utils import DistributedType
 
     if cfg.trainable != "lora":
         return
     ds = getattr(accelerator.state, "deepspeed_plugin", None)
-    if accelerator.distributed_type == DistributedType.FSDP or (ds is not None and ds.zero_stage == 3):
+    fsdp1 = accelerator.distributed_type == DistributedType.FSDP and not accelerator.is_fsdp2
+    if fsdp1 or (ds is not None and ds.zero_stage == 3):
         raise TrainError(
-            "trainable: lora with FSDP or DeepSpeed ZeRO-3 shards the weights the adapters are merged into; "
-            "use configs/accelerate/multi_gpu.yaml or zero2.yaml for LoRA"
+            "trainable: lora with FSDP version 1 or DeepSpeed ZeRO-3 shards the weights the adapters are merged "
+            "into; use configs/accelerate/fsdp.yaml (FSDP2), multi_gpu.yaml or zero2.yaml for LoRA"
         )
 
 
@@ -289,20 +299,26 @@ def sharded(accelerator: Any) -> bool:
     return accelerator.distributed_type.value in ("FSDP", "DEEPSPEED", "MEGATRON_LM", "XLA")
 
 
+def estimate_memory(model: nn.Module, dataset: Any, cfg: TrainConfig, dtype: torch.dtype, precision: str) -> Any:
+    """`vlmod.training.memory.estimate` of one process's peak, from the first micro-batch of
+    `dataset`, the forward in `precision`'s autocast dtype (`dtype` without one)."""
+    first = dataset.collate([dataset[i] for i in range(min(cfg.batch_size, len(dataset)))])
+    ids = first["input_ids"]
+    keep = answer_logits_inputs(model, first).get("logits_to_keep")
+    return memory.estimate(
+        model, ids.numel(), longest=ids.shape[1], compute_dtype=AUTOCAST_DTYPES.get(precision, dtype),
+        gradient_checkpointing=cfg.gradient_checkpointing, logit_rows=None if keep is None else ids.shape[0] * keep.numel(),
+    )
+
+
 def check_memory(model: nn.Module, dataset: Any, cfg: TrainConfig, dtype: torch.dtype, accelerator: Any) -> Any:
     """Estimate the run's peak memory from its first micro-batch and refuse, in one line, a run
     that cannot fit this process's device (`vlmod.training.memory`); sharded runs (FSDP, ZeRO) hold
     less than one process's estimate, so they are not refused."""
-    first = dataset.collate([dataset[i] for i in range(min(cfg.batch_size, len(dataset)))])
-    ids = first["input_ids"]
-    compute = AUTOCAST_DTYPES.get(accelerator.mixed_precision, dtype)
-    keep = answer_logits_inputs(model, first).get("logits_to_keep")
-    needed = memory.estimate(
-        model, ids.numel(), longest=ids.shape[1], compute_dtype=compute, gradient_checkpointing=cfg.gradient_checkpointing,
-        logit_rows=None if keep is None else ids.shape[0] * keep.numel(),
-    )
+    needed = estimate_memory(model, dataset, cfg, dtype, accelerator.mixed_precision)
     if not sharded(accelerator):
-        memory.check_fits(needed, accelerator.device, TrainError)
+        plan = memory.describe_plan(memory.plan(needed, largest_unit_bytes(model)))
+        memory.check_fits(needed, accelerator.device, TrainError, plan=plan)
     return needed
 
 
@@ -395,12 +411,15 @@ def prepare(cfg: TrainConfig) -> Run:
 
     for path in (cfg.data, cfg.val_data):
         if path is not None and not Path(path).expanduser().is_file():
-            raise TrainError(f"data file {path} does not exist")
+            from vlmod.io.paths import not_found
+
+            raise TrainError(f"data file {path} {not_found(path)}")
     check_output_dir_owner(cfg)
     resume_from = resolve_resume(cfg)
     frozen_dtype = weights_dtype(cfg)
     accelerator = make_accelerator(cfg, mixed_precision(cfg, frozen_dtype))
     check_precision(frozen_dtype, accelerator)
+    shard_on_cpu(accelerator)
     check_launch(accelerator)
     check_lora_sharding(cfg, accelerator)
     set_seed(cfg.seed)
@@ -438,6 +457,7 @@ def prepare(cfg: TrainConfig) -> Run:
         )
     optimizer = make_optimizer(model, cfg)
     reducer = make_reducer(model, cfg, accelerator)
+    set_layer_classes(accelerator, model)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     # After prepare: `len(loader)` is per process, and DeepSpeed may have set the accumulation.
     # The last partial accumulation of an epoch steps the optimizer too, hence the ceil.
@@ -465,6 +485,7 @@ __all__ = [
     "check_precision",
     "check_memory",
     "enable_gradient_checkpointing",
+    "estimate_memory",
     "load_dataset",
     "load_model",
     "make_accelerator",
