@@ -191,6 +191,34 @@ def test_analyze_image_grid_masks_and_counts_match_the_trace(client: TestClient)
     assert vision["counts"] == vision["masks"][0]
 
 
+def test_embedded_models_answer_every_bundled_example() -> None:
+    """Before: the page offered count-three and position-top-right, which the embedded model (trained
+    on clips) answered "two" / "four green" and "middle", beside "expected answer: three". Now: every
+    bundled example is answered correctly by both embedded models, and the result marks it so."""
+    client = TestClient(create_app(max_new_tokens=8, timing_runs=0))
+    for example in examples.load_examples().values():
+        body = client.post("/api/analyze", data={"prompt": example.prompt, "example": example.name}).json()
+        assert body["expected"] == {"answer": example.answer, "mod": True, "dense": True}, (example.name, body["answer"])
+
+
+def test_a_wrong_answer_to_an_example_is_marked_wrong(client: TestClient) -> None:
+    """Before: an answer to an example came with no mark, so "two" stood beside "expected answer:
+    three" unremarked. Now: `expected` marks each model's answer, scored as evaluation scores; a
+    prompt that is not the example's own, or an upload, gets no mark."""
+    example = examples.load_examples()["shape-star"]
+    body = client.post("/api/analyze", data={"prompt": example.prompt, "example": "shape-star"}).json()
+    marks = body["expected"]
+    assert marks["answer"] == "star"
+    assert marks["mod"] is (body["answer"].strip().lower() == "star")  # the tiny random model: wrong
+    assert marks["dense"] is (body["stats"]["dense"]["answer"].strip().lower() == "star")
+    assert marks["mod"] is False
+    other = client.post("/api/analyze", data={"prompt": "what is it ?", "example": "shape-star"}).json()
+    assert other["expected"] is None
+    assert _post(client, file=("x.png", _png(), "image/png")).json()["expected"] is None
+    graded = examples.grade(example, example.prompt, "The star.", "four green")
+    assert graded == {"answer": "star", "mod": True, "dense": False}
+
+
 def test_analyze_example_by_name_video_as_frames_on_an_image_model(client: TestClient) -> None:
     r = client.post("/api/analyze", data={"prompt": "which direction is it moving ?", "example": "moving-right"})
     assert r.status_code == 200, r.text
@@ -313,11 +341,15 @@ def test_empty_prompt_is_400(client: TestClient, prompt: str | None) -> None:
 
 def test_bad_requests_are_400_json(client: TestClient) -> None:
     assert _post(client).status_code == 400  # no file, no example
-    both = client.post("/api/analyze", data={"prompt": "hi", "example": "count-three"},
+    both = client.post("/api/analyze", data={"prompt": "hi", "example": "shape-star"},
                        files={"file": ("x.png", _png(), "image/png")})
     assert both.status_code == 400 and "not both" in both.json()["error"]
     too_long = _post(client, "word " * 500, file=("x.png", _png(), "image/png"))
     assert too_long.status_code == 400 and "too long" in too_long.json()["error"]
+    # Before: a 100 KB prompt got the form parser's raw "Field exceeded maximum size of 64KB".
+    huge = _post(client, "x" * 100_000, file=("x.png", _png(), "image/png"))
+    assert huge.status_code == 413 and huge.json()["error"].startswith("the prompt is too long"), huge.text
+    assert "Field exceeded" not in huge.text
     not_form = client.post("/api/analyze", json={"prompt": "hi"})
     assert not_form.status_code == 400 and "error" in not_form.json()
     assert client.get("/api/analyze").status_code == 405
@@ -522,6 +554,8 @@ def test_health_says_what_the_model_knows(client: TestClient) -> None:
     embedded = examples.about_model(client.app.state.loaded, embedded=True)
     assert "synthetic" in embedded["summary"] and "--model" in embedded["knows"]
     assert "nonsense" in embedded["knows"]
+    # Before: "`vlmod demo --model DIR ...`" showed its Markdown backticks on the page (plain text).
+    assert "`" not in embedded["knows"] + embedded["summary"]
 
 
 def test_flops_card_figures_name_the_language_model_and_the_total(client: TestClient) -> None:

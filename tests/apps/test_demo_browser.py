@@ -11,6 +11,7 @@ one browser serve the whole module; each test opens its own page.
 
 from __future__ import annotations
 
+import re
 import socket
 import threading
 import time
@@ -220,7 +221,9 @@ def test_latency_panel_shows_prefill_and_decode_apart_with_spread_and_prediction
     rows = page.locator("#latency .latency-row")
     assert rows.count() == 2
     prefill, decode = rows.nth(0).inner_text(), rows.nth(1).inner_text()
-    assert prefill.startswith("Time to first token") and "predicted" in prefill and "from FLOPs" in prefill
+    # Before: "predicted 1.4x from FLOPs", which FLOPs unsaid; a ratio below 1 read "0.88x slower".
+    assert prefill.startswith("Time to first token") and "predicted" in prefill
+    assert "from the whole prefill's FLOPs, vision tower included" in prefill
     assert decode.startswith("Decode") and "/token" in decode and "from bytes read" in decode
     assert "MoD is for the prefill" in text
     assert "untraced" in text and "interleaved" in text and "held off" in text and "3 greedy generates" in text
@@ -238,6 +241,10 @@ def test_latency_panel_shows_prefill_and_decode_apart_with_spread_and_prediction
             lo, hi = figure["interval"]
             assert (lo > 1) == (figure["verdict"] == "faster") and (hi < 1) == (figure["verdict"] == "slower")
             assert figure["verdict"] in words
+            # Faster or slower by a ratio of at least 1: never "0.88× slower".
+            said = [float(x) for x in re.findall(r"([0-9.]+)× (?:faster|slower)", words)]
+            assert said and min(said) >= 1.0, words
+            assert f"{max(figure['speedup'], 1 / figure['speedup']):.2f}× {figure['verdict']}" in words
     assert page.is_visible("#latency .latency-contended") == timing["contended"]
 
 
@@ -279,9 +286,12 @@ def test_a_32_frame_clip_steps_frame_by_frame(page: Any, media: dict[str, Path])
     # The last frame's card is scrolled into the strip's view and marked.
     assert page.get_attribute(f".frame-card[data-index='{FRAMES - 1}']", "aria-current") == "true"
     assert _card_in_strip(page, FRAMES - 1)
-    # Per-frame token counts for one layer; the slider and the arrow keys scrub.
+    # Per-frame token counts for one layer; the slider and the arrow keys scrub. Before: the strip's
+    # heading said "vision tokens run" over counts of token-layer passes (all layers).
+    assert page.text_content("#strip-what") == "vision token-layer passes run (all MoD layers)"
     page.fill("#layer", "1")
     page.dispatch_event("#layer", "input")
+    assert page.text_content("#strip-what") == "vision tokens run in layer L1"
     last = page.inner_text(f".frame-card[data-index='{FRAMES - 1}'] .frame-count")
     assert last == f"{counts[FRAMES - 1]}/16"
     assert f"{counts[FRAMES - 1]} of 16 tokens run" in page.inner_text("#frame-label")
@@ -322,6 +332,25 @@ def test_a_32_frame_clip_steps_frame_by_frame(page: Any, media: dict[str, Path])
         page.dispatch_event("#frame", "input")
         page.wait_for_timeout(100)
         assert _card_in_strip(page, k), k
+
+
+def test_an_example_answer_is_marked_against_the_expected_one(page: Any, media: dict[str, Path]) -> None:
+    """Before: an example's wrong answer stood unmarked beside "expected answer: star". Now: each
+    answer to an example asked its own question carries a mark (the fixture's random model: wrong);
+    an upload gets none. The prompt box takes at most the server's limit."""
+    page.click(".example[data-name='shape-star']")
+    page.click("#run")
+    page.wait_for_function("['done', 'error'].includes(document.body.dataset.state)", timeout=120_000)
+    expected = page.evaluate("state.result.expected")
+    assert expected["answer"] == "star" and expected["mod"] is False
+    mark = page.inner_text("#answer-mark")
+    assert mark == "✗ wrong (expected star)" and "wrong" in page.get_attribute("#answer-mark", "class")
+    dense = page.inner_text("#dense-mark")
+    assert dense == ("✓ correct" if expected["dense"] else "✗ wrong (expected star)")
+    _run(page, media["photo"])
+    assert page.locator("#answer-mark").count() == 0 and page.locator("#dense-mark").count() == 0
+    # Before: no length limit on the prompt box (a 100 KB prompt got the server's raw error).
+    assert page.evaluate("document.getElementById('prompt').maxLength") == 1000
 
 
 def test_bad_upload_after_a_good_one_clears_the_result(page: Any, media: dict[str, Path]) -> None:

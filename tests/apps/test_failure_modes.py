@@ -58,14 +58,22 @@ def _copy(src: Path, dst: Path) -> Path:
 
 
 def _no_loading(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Any model load fails the test: the command must stop before its work starts."""
+    """Any model load fails the test: the command must stop before its work starts. The demo's
+    model module is imported first and patched too: imported under the patch, it would keep the
+    refusing loader for the rest of the session (it binds `load_vlm` by name), as would the recipe's
+    modules (`load_pretrained`), imported first for that reason."""
+    import vlmod.demo.model
     import vlmod.io.hf
+    import vlmod.recipes.isoflop
+    import vlmod.recipes.methods
+    import vlmod.recipes.recipe  # noqa: F401
 
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded before the output path was checked")
 
     monkeypatch.setattr(vlmod.io.hf, "load_vlm", refuse)
     monkeypatch.setattr(vlmod.io.hf, "load_pretrained", refuse)
+    monkeypatch.setattr(vlmod.demo.model, "load_vlm", refuse)
 
 
 # ----------------------------------------------------------------------------- a run owns its folder
@@ -389,6 +397,79 @@ def test_devices_torch_knows_but_vlmod_does_not_run_on_are_refused_in_the_flag(w
             assert cli_main([*argv, "--device", device]) == 2, argv
             assert _error_line(capsys) == (f"error: argument --device: --device {device}: {reason} (see vlmod "
                                            f"{' '.join(a for a in argv[:2] if not a.startswith('-'))} --help)"), argv
+
+
+def test_threads_above_the_cores_are_refused_by_every_command(tmp_path, capsys, monkeypatch):
+    """Before: `--threads 512` on a 2-core machine was accepted (every thread past the cores only
+    contends for them). Now each command that takes --threads refuses more than the cores."""
+    import vlmod.cli.argtypes
+    import vlmod.cli.bench
+    import vlmod.cli.bench_train
+    import vlmod.recipes.recipe
+
+    _no_loading(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    for module, name in ((vlmod.cli.bench, "bench_vit"), (vlmod.cli.bench, "bench_llava"),
+                         (vlmod.cli.bench, "bench_video"), (vlmod.cli.bench_train, "bench_train"),
+                         (vlmod.recipes.recipe, "generate")):
+        monkeypatch.setattr(module, name, lambda *a, **k: pytest.fail("the command ran"))
+    monkeypatch.setattr(vlmod.cli.argtypes, "cores", lambda: 2)
+    for argv in (["recipe", "--quick"], ["bench", "vit"], ["bench", "llava"], ["bench", "video"], ["bench", "train"]):
+        assert cli_main([*argv, "--threads", "512"]) == 2, argv
+        assert _error_line(capsys) == (f"error: argument --threads: expected at most 2 (this machine's cores), got "
+                                       f"512 (see vlmod {' '.join(a for a in argv if not a.startswith('-'))} --help)")
+    assert vlmod.cli.argtypes.threads("2") == 2
+
+
+def test_finetune_settings_are_checked_when_the_config_loads(work, tmp_path, capsys, monkeypatch):
+    """Before: `lora_dropout: 1.5` was refused in peft's words after the model had loaded, and
+    `num_frames: 0` skipped every video record as unreadable. Now both, and LoRA's other settings,
+    are refused in one line when the config is read, before any loading."""
+    _no_loading(monkeypatch)
+    for key, value, message in (
+        ("lora_dropout", 1.5, "lora_dropout is the share of LoRA inputs dropped in training, in [0, 1); got 1.5"),
+        ("lora_dropout", -0.1, "lora_dropout is the share of LoRA inputs dropped in training, in [0, 1); got -0.1"),
+        ("lora_alpha", 0, "lora_alpha must be > 0, got 0"),
+        ("lora_targets", [], "lora_targets must name one or more module names (e.g. q_proj, k_proj); got []"),
+        ("num_frames", 0, "num_frames must be > 0, got 0"),
+    ):
+        with pytest.raises(TrainError) as caught:
+            _cfg(work, tmp_path / "o", trainable="lora", **{key: value})
+        assert str(caught.value) == message
+        config = tmp_path / "run.yaml"
+        config.write_text(yaml.safe_dump({**_cfg(work, tmp_path / "o").to_dict(), "trainable": "lora", key: value}))
+        assert cli_main(["finetune", "--config", str(config), "--no-progress"]) == 2
+        assert _error_line(capsys) == f"error: {message}"
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_resumed_finetune_counts_only_the_steps_it_ran(work, first_run, tmp_path, capsys):
+    """Before: resumed at step 2 of 3, the summary said "3 steps in 1 s", counting the two steps an
+    earlier process ran. Now it counts this process's step and says where it resumed."""
+    out = _copy(first_run, tmp_path / "run")
+    config = tmp_path / "resume.yaml"
+    config.write_text(yaml.safe_dump({**_cfg(work, out).to_dict(), "resume": "latest"}))
+    assert cli_main(["finetune", "--config", str(config), "--no-progress"]) == 0
+    summary = capsys.readouterr().out.strip().splitlines()[-1]
+    assert summary.startswith("1 step in ") and " s (resumed from step 2, now at step 3), loss " in summary, summary
+
+
+def test_max_shard_size_must_be_a_positive_size(work, tmp_path, capsys, monkeypatch):
+    """Before: `--max-shard-size -5GB` was taken for an unknown flag ("expected one argument"), and
+    `0GB` passed the check. Now each is refused as the size it is, in one line, before any work."""
+    from vlmod.tools.convert import ConvertError, _check_shard_size
+
+    _no_loading(monkeypatch)
+    for size in ("-5GB", "0GB", "0", "1.5", "5XB"):
+        argv = ["convert", "--model", str(work / "dense"), "--out", str(tmp_path / "c"), "--capacity", "0.5"]
+        assert cli_main([*argv, "--max-shard-size", size]) == 2, size
+        assert _error_line(capsys) == (f"error: argument --max-shard-size: expected a size > 0 such as 5GB, 500MB or a "
+                                       f"number of bytes, got {size!r} (see vlmod convert --help)")
+    with pytest.raises(ConvertError, match="--max-shard-size must be a size such as 5GB"):
+        _check_shard_size("0GB")
+    _check_shard_size("500MB")
+    _check_shard_size(10**9)
+    assert not (tmp_path / "c").exists()
 
 
 # ---------------------------------------------------------------------- errors that say exactly what is wrong

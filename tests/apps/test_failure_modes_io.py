@@ -239,7 +239,7 @@ def test_a_full_disk_in_the_recipe_is_one_line(tmp_path, capsys, monkeypatch):
     assert cli_main([*SMALL_RECIPE, "--out", str(out)]) == 2
     assert _error_line(capsys) == (f"error: could not write under --out {out}: No space left on device; nothing was "
                                    "left half-written: free space or choose another --out, then run again with "
-                                   "--reuse-dense (if its dense stage finished) or --overwrite")
+                                   "--overwrite (its dense stage had not finished)")
     assert sorted(p.name for p in out.iterdir()) == [".vlmod-made.json", "data"]  # no init/, no init.tmp/
     monkeypatch.undo()
     monkeypatch.setattr(vlmod.tools.convert, "align_folder", _full)
@@ -312,6 +312,47 @@ def test_unreadable_inputs_are_one_line_each(work, tmp_path, capsys):
 
     with pytest.raises(ValueError, match="has no weights file"):  # what `vlmod demo` reports as its one line
         load_model(weightless, None, device="cpu")
+
+
+def test_a_symlink_loop_is_named_as_one(work, tmp_path, capsys, monkeypatch):
+    """Before: a symlink loop given as an input "does not exist" (or, for --model, a hub id not in
+    the cache), and as an output (--out, --json, --output-dir) it ended in pathlib's "Symlink loop"
+    RuntimeError traceback; as `bench video --video`, an OSError traceback. Now one line that says
+    it is a symlink loop, before any work."""
+    import vlmod.io.hf
+
+    monkeypatch.setattr(vlmod.io.hf, "load_pretrained", lambda *a, **k: pytest.fail("a model was loaded"))
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    model, data = str(work / "dense"), str(work / "data" / "val.json")
+    inputs = "is a symlink loop (a link that leads back to itself); point it at a real path"
+    outputs = "is a symlink loop (a link that leads back to itself); remove it or choose another path"
+    for argv, line in (
+        (["eval", "--model", str(loop), "--data", data], f"--model {loop} {inputs}"),
+        (["eval", "--model", model, "--data", str(loop)], f"data file {loop} {inputs}"),
+        (["audit", "--model", model, "--data", str(loop)], f"--data {loop} {inputs}"),
+        (["finetune", "--model", model, "--data", str(loop), "--output-dir", str(tmp_path / "o")],
+         f"data file {loop} {inputs}"),
+        (["finetune", "--config", str(loop)], f"config file {loop} {inputs}"),
+        (["bench", "video", "--video", str(loop)], f"video path {loop} {inputs}"),
+        (["eval", "--model", model, "--data", data, "--json", str(loop)], f"--json {loop} {outputs}"),
+        (["convert", "--model", model, "--out", str(loop), "--capacity", "0.5"], f"--out {loop} {outputs}"),
+        (["tiny", "--out", str(loop)], f"--out {loop} {outputs}"),
+        (["data", "synthetic", "--out", str(loop)], f"--out {loop} {outputs}"),
+        (["finetune", "--model", model, "--data", data, "--output-dir", str(loop)], f"output_dir {loop} {outputs}"),
+    ):
+        assert cli_main([*argv, "--no-progress"] if argv[0] in ("eval", "finetune") else argv) == 2, argv
+        assert _error_line(capsys) == f"error: {line}", argv
+
+
+def test_bench_ops_checks_its_json_before_the_benchmark(tmp_path, capsys, monkeypatch):
+    """`bench ops --json DIR`, as every other bench subcommand's (test above): refused before the
+    benchmark runs, by the rule every --json follows."""
+    import vlmod.bench.ops
+
+    monkeypatch.setattr(vlmod.bench.ops, "host_cost", lambda *a, **k: pytest.fail("the benchmark ran first"))
+    assert cli_main(["bench", "ops", "--families", "llava", "--json", str(tmp_path)]) == 2
+    assert _error_line(capsys) == f"error: --json {tmp_path} is a folder; give a file name (e.g. {tmp_path / 'report.json'})"
 
 
 def test_a_long_question_is_refused_before_any_work(work, tmp_path, capsys, monkeypatch):

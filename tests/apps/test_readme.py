@@ -161,3 +161,20 @@ def test_links_between_pages_resolve(page, target):
 def test_pages_are_written_for_a_reader_who_never_saw_the_issues(page):
     cited = re.findall(r"\bissues? #?\d+", page.read_text(), re.I)
     assert not cited, f"{_name(page)} cites {cited}: say what was measured or decided instead"
+
+
+def test_the_readme_opening_reads_in_one_pass():
+    """Before: under the title, one 20-line "What it gives" paragraph chained every figure, and only
+    in its middle did it say the models were tiny and synthetic. Now: two plain sentences of what
+    vlmod does, then where the figures come from (random-weight 7B shapes: speed and memory only),
+    then the headline numbers as a short table linking docs/results.md; no paragraph over 8 lines."""
+    opening = README.read_text().split("\n## ", 1)[0]
+    paragraphs = [p for p in opening.split("\n\n")[1:] if p.strip()]
+    first = " ".join(paragraphs[0].split())
+    assert len(re.findall(r"[.:;]\s", first + " ")) <= 3 and first.count(". ") + first.endswith(".") == 2, first
+    assert "Where the figures come from" in paragraphs[1] and "random weights" in paragraphs[1]
+    assert "not measured here" in paragraphs[1]
+    table = next(p for p in paragraphs if p.startswith("|"))
+    assert len(table.splitlines()) <= 8 and "What it gives" not in opening
+    assert "docs/results.md" in opening.split(table, 1)[1]
+    assert max(len(p.splitlines()) for p in paragraphs if not p.startswith("|")) <= 8

@@ -384,6 +384,31 @@ def test_missing_and_corrupt_images_are_skipped(data_dir, llava, tmp_path):
         LlavaDataset(raw, processor, image_root=root)
 
 
+def test_num_frames_is_refused_as_a_setting_and_a_short_clip_is_not_corrupt(data_dir):
+    """Before: `num_frames: 0` skipped every video record as unreadable ("num_frames must be >= 1"
+    once a record), and `num_frames: 100000` called the healthy 8-frame clips corrupt (the clip's
+    pixel budget was shared among 100000 frames, each a few pixels wide, and decord failed). Now 0
+    is refused once, as the setting; a clip shorter than asked gives every frame it has; padding
+    it to 100000 frames is refused as the setting (over a clip's budget), never as a corrupt clip."""
+    from vlmod.data.dataset import FrameCountError
+
+    _, processor = tiny.build("llava_next_video")
+    videos = data_dir / "video_train.json"
+    with pytest.raises(DataError) as caught:
+        LlavaDataset(videos, processor, num_frames=0)
+    assert str(caught.value) == "num_frames must be a whole number >= 1 (frames sampled from each clip), got 0"
+    clip = load_records(videos)[0].video_path
+    frames = load_video(clip, num_frames=100_000).frames
+    assert frames.shape == load_video(clip, num_frames=8).frames.shape == (8, 64, 64, 3)
+    with pytest.raises(FrameCountError) as caught:
+        LlavaDataset(videos, processor, num_frames=100_000)
+    assert str(caught.value) == (f"num_frames 100,000 is more than {clip} has (8): repeated to 100,000, its 32x32 "
+                                 "frames are over the 32,000,000-pixel budget of a clip; set num_frames to at most "
+                                 "31,250")
+    padded = LlavaDataset(videos, processor, num_frames=12)  # within the budget: each frame repeated, in order
+    assert not padded.skipped and padded[0]["pixel_values_videos"].shape[1] == 12
+
+
 def test_video_records_give_pixel_values_videos(data_dir):
     model, processor = tiny.build("llava_next_video")
     ds = LlavaDataset(data_dir / "video_train.json", processor, num_frames=8)

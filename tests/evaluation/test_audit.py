@@ -116,6 +116,18 @@ def test_verdict_gaps_and_text():
     assert math.isclose(v["gaps"]["inverted"]["accuracy"], 0.5)
 
 
+def test_a_toy_audit_gives_no_verdict():
+    """Before: 7 questions with every router at 0% still read "the learned ranking is not shown to
+    matter" and "no share to recover". Now: the comparisons need the audited model 10 points above
+    chance on 200 questions (vlmod.evaluation.evidence); the gaps stay in the JSON."""
+    toy = {r: {"accuracy": 0.0, "answer_loss": 2.0, "num_samples": 7, "accuracy_by_type": {"color": 0.0}}
+           for r in ("learned", "random", "stride", "inverted", "attention")}
+    v = audit.verdict(toy, {})
+    assert v["text"].startswith("This run checks the pipeline only, so it gives no verdict (7 questions")
+    assert "chance 16.7%" in v["text"] and "routing" not in v["text"] and "recover" not in v["text"]
+    assert v["gaps"]["random"]["accuracy"] == 0.0 and "evidence" in v
+
+
 def test_refused_parts_go_back_to_their_own_router(converted, monkeypatch):
     """A part that refuses a kind runs the model's own router, not the previous audit router."""
     model = vlmod.load_pretrained(converted[0])

@@ -293,3 +293,28 @@ def test_the_lmms_eval_command_exits_2_on_a_bad_model_arg(work: Path) -> None:
     assert run.returncode == 2, run.stderr[-3000:]
     assert "error: vlmod model_args: capacity must be a number in (0, 1], got 'abc'" in run.stderr
     assert "Traceback" not in run.stderr
+
+
+def test_batch_size_in_model_args_is_refused_naming_the_flag(work: Path, capsys, monkeypatch) -> None:
+    """Before: `--model_args pretrained=DIR,batch_size=4` collided with the `--batch_size` lmms-eval
+    always passes (default 1): Python's "got multiple values for keyword argument 'batch_size'",
+    printed by lmms-eval as a traceback, exit 0. Now one line naming `--batch_size` (and `device=`
+    beside `--device` the same); `device=` alone and `--batch_size` alone still work."""
+    from vlmod.evaluation.lmms import ModelArgsError, VLMod
+
+    monkeypatch.setattr(vlmod, "load_pretrained", lambda *a, **k: pytest.fail("the checkpoint was loaded"))
+    flags = {"batch_size": 1, "max_batch_size": None, "device": None}  # what lmms-eval's evaluator passes
+    for args, extra, message in (
+        (f"pretrained={work / 'mod'},batch_size=4", flags,
+         "batch_size=4: give the batch size as lmms-eval's --batch_size (not in --model_args)"),
+        (f"pretrained={work / 'mod'},device=cpu", {**flags, "device": "cpu"},
+         "device=cpu: give the device as lmms-eval's --device (not in --model_args)"),
+    ):
+        with pytest.raises(ModelArgsError) as caught:
+            VLMod.create_from_arg_string(args, extra)
+        assert caught.value.code == 2
+        assert capsys.readouterr().err == f"error: vlmod model_args: {message}\n"
+    made: list[dict] = []
+    monkeypatch.setattr(VLMod, "__init__", lambda self, **kw: made.append(kw))
+    VLMod.create_from_arg_string(f"pretrained={work / 'mod'},device=cpu", flags)
+    assert made == [{"pretrained": str(work / "mod"), "device": "cpu", "batch_size": 1}]

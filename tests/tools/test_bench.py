@@ -22,6 +22,7 @@ from vlmod.bench import (
 )
 from vlmod.bench.decode import decode_weight_bytes
 from vlmod.bench.generation import prompt_counts
+from vlmod.bench.report import FOOTNOTE
 from vlmod.cli import main
 from vlmod.errors import InputError
 from vlmod.models import tiny
@@ -204,6 +205,31 @@ def test_decode_reads_the_language_weights_once_and_not_the_vision_side(tied: bo
 def test_report_of_a_larger_mod_cache_says_plus():
     text = format_generation_result(_fake_generation_result(1000, 1048))
     assert "KV cache +4.8%" in text and "--4" not in text
+
+
+def test_a_contended_report_says_so_first_and_flags_its_figures():
+    """Before: on a contended machine `bench llava` printed the contention warning last, a decode
+    row of 0.178x in the table and summary like any result, and "measured 1.079x" beside "median of
+    the per-repeat ratios 2.014x" with nothing saying which to read. Now: the warning comes first,
+    every contended figure carries " *" with a footnote, and one line under the table names the
+    headline and why the other figures differ."""
+    result = _fake_generation_result(1000, 800)
+    result.update(
+        prefill_speedup=1.079, prefill_speedup_paired=2.014, decode_speedup=0.178,
+        decode_lockstep={"speedup": 0.963, "steps": 8, "dense_step_s": 0.01, "mod_step_s": 0.0104, "spread": 0.02},
+        contention={"prefill": {"contended": False}, "decode": {"contended": True, "reason": "other processes held 1.5 cores"}},
+    )
+    lines = format_generation_result(result).splitlines()
+    assert lines[0].startswith("warning: decode figures are unreliable: other processes held 1.5 cores")
+    dense_row = next(line for line in lines if line.startswith("dense "))
+    assert "100.0 *" in dense_row and "10.00 *" in dense_row and "100.0 " in dense_row.split("*")[0]
+    assert "decode (per step, inside generate): 0.178x *" in "\n".join(lines)
+    assert "measured 1.079x  " in "\n".join(lines)  # the prefill was clean: no mark
+    assert lines[lines.index(next(line for line in lines if line.startswith("dense "))) + 2] == FOOTNOTE
+    headline = next(line for line in lines if line.startswith("headline: "))
+    assert "prefill 1.079x" in headline and "per-repeat ratios" in headline and "decode 0.963x in lockstep" in headline
+    clean = format_generation_result(_fake_generation_result(1000, 800))
+    assert " *" not in clean and FOOTNOTE not in clean and not clean.startswith("warning")
 
 
 def _timings(wall: list[float], cpu: list[float], others: list[float | None], threads: int = 2) -> Timings:

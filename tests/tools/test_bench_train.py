@@ -254,3 +254,16 @@ def test_bench_train_runs_a_float16_checkpoint_under_bf16_and_refuses_float16_we
     assert main([*argv, "--dtype", "float16"]) == 2
     assert capsys.readouterr().err == ("error: --dtype float16 with --mixed-precision bf16: bfloat16 autocast cannot run "
                                        "float16 weights; use --dtype bfloat16, auto or float32, or --mixed-precision no\n")
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_a_lora_run_prints_no_future_warning(checkpointing: bool):
+    """Before: every LoRA `bench train` (and finetune) printed transformers' "FutureWarning:
+    `is_gradient_checkpointing` is deprecated", from peft reading the old alias in `get_peft_model`.
+    Now that read is kept quiet at its one call; any other FutureWarning still shows."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _model(True, "lora", checkpointing)
+    assert not [w for w in caught if issubclass(w.category, FutureWarning)], [str(w.message) for w in caught]

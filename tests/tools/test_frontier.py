@@ -711,9 +711,33 @@ def test_distillation_loss_is_zero_only_for_the_teacher() -> None:
     assert float(distillation_loss(other, logits, labels, num_items=torch.tensor(8.0))) == pytest.approx(float(mean) / 2)
 
 
-def _row(method: str, correct: str, target: float | None = None, reduction: float = 1.0) -> dict:
+def _row(method: str, correct: str, target: float | None = None, reduction: float = 1.0, samples: int = 400) -> dict:
+    # `samples`: the eval set's size the verdict rule reads (vlmod.evaluation.evidence); 400 by
+    # default, so these tests read the verdicts' own logic, not the toy-run rule.
     return {"method": method, "target": target, "accuracy": correct.count("1") / len(correct),
-            "language_reduction": reduction, "correct": correct}
+            "language_reduction": reduction, "correct": correct, "samples": samples, "accuracy_by_type": {}}
+
+
+def test_a_toy_run_gives_no_verdict() -> None:
+    """Before: `vlmod recipe --quick` (7 questions, every model 0.0%) wrote "goal ... met ... the
+    interval stays within it" and "best of all methods" at every point. Now: without a dense model
+    10 points above chance on at least 200 questions there is no verdict, one line says why."""
+    from vlmod.evaluation.evidence import chance_accuracy, verdict_evidence
+    from vlmod.evaluation.frontier import verdicts
+
+    toy = [{**_row("dense", "0" * 7, samples=7), "accuracy_by_type": {"when": 0.0, "order": 0.0}},
+           {**_row("learned", "0" * 7, 3.0, 3.0, samples=7), "accuracy_by_type": {"when": 0.0, "order": 0.0}}]
+    lines = verdicts(toy, {3.0: 1.0})
+    assert lines == ["This run checks the pipeline only, so it gives no verdict (7 questions, a verdict needs "
+                     "at least 200; dense 0.0% is not 10 points above chance 41.7%)."]
+    assert not any("met" in line or "best of all" in line for line in lines)
+    assert chance_accuracy(["when", "order"]) == pytest.approx((1 / 3 + 1 / 2) / 2)
+    assert chance_accuracy(["a real question"]) is None
+    # Enough questions but dense at chance: still none; 10 points above it: a verdict.
+    assert not verdict_evidence(0.45, 400, 0.4).enough and verdict_evidence(0.51, 400, 0.4).enough
+    assert not verdict_evidence(0.95, 199, 0.2).enough
+    big = [_row("dense", "1" * 90 + "0" * 10), _row("learned", "1" * 90 + "0" * 10, 3.0, 3.0)]
+    assert "met by MoD" in verdicts(big, {3.0: 1.0})[-1]
 
 
 def test_the_gap_to_dense_is_paired_per_question() -> None:

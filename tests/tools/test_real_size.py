@@ -365,3 +365,16 @@ def test_a_scale_check_workdir_that_is_a_file_or_read_only_is_one_line(tmp_path,
         assert capsys.readouterr().err == (f"error: --workdir {workdir / 'llava-1.5-7b-2'}: {reason}; choose another "
                                            "path\n")
     assert afile.read_text() == "a user's file" and list(locked.iterdir()) == []
+
+
+def test_scale_check_refuses_an_empty_stage_list(tmp_path, monkeypatch, capsys) -> None:
+    """Before: `--stages ,` ran no stage, still printed a table and "wrote .../scale_check.md", a
+    file it had not written (exit 0). Now one line naming the stages, and nothing is created."""
+    import vlmod.recipes.scale_check as sc
+
+    monkeypatch.setattr(sc, "run_measured", lambda *a, **k: pytest.fail("a stage ran"))
+    for stages in (",", " , ", ""):
+        assert main(["scale-check", "--workdir", str(tmp_path / "sc"), "--layers", "2", "--stages", stages,
+                     "--no-progress"]) == 2
+        assert capsys.readouterr() == ("", f"error: --stages names no stage; give one or more of {', '.join(sc.STAGES)}\n")
+    assert not (tmp_path / "sc").exists()

@@ -58,16 +58,52 @@ def _contention_lines(result: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+# A figure timed while other jobs held the CPU is marked in the table and the summary, so a
+# contended number never reads as a result (the warning that says why comes first).
+FLAG = " *"
+FOOTNOTE = "* contended: timed while other jobs held the CPU (the warning above); not a result"
+
+
+def _contended(result: Mapping[str, Any], stage: str) -> bool:
+    return bool(((result.get("contention") or {}).get(stage) or {}).get("contended"))
+
+
+def _flag(text: str, contended: bool) -> str:
+    return text + FLAG if contended and text != "-" else text
+
+
+def _footnote(result: Mapping[str, Any]) -> list[str]:
+    return [FOOTNOTE] if any(c.get("contended") for c in (result.get("contention") or {}).values()) else []
+
+
+def _headline(result: Mapping[str, Any], prefill: str = "prefill") -> str:
+    """The one line under a generation table: which figures are the headline and why the others differ."""
+    line = (
+        f"headline: {prefill} {_flag(_speedup(result['prefill_speedup']), _contended(result, 'prefill'))} "
+        "(dense / MoD of the median prefill times over "
+        "the interleaved repeats); the median of the per-repeat ratios pairs each repeat with itself, so it "
+        "differs when the machine's speed drifts between repeats"
+    )
+    lockstep = (result.get("decode_lockstep") or {}).get("speedup")
+    if lockstep is not None:
+        line += (
+            f"; decode {_speedup(lockstep)} in lockstep (one step of each model in turn, so load hits both alike); "
+            "decode inside generate times each model's whole generate apart and swings with load"
+        )
+    return line
+
+
 def format_vit_result(result: Mapping[str, Any]) -> str:
     """The plain-text report of `bench_vit`."""
     rows = []
+    busy = _contended(result, "timing")
     for name, label in (("dense", "dense"), ("mod", "MoD")):
         r = result[name]
         rows.append(
             [
                 label,
-                f"{r['images_per_s']:.2f}",
-                f"{r['latency_s'] * 1e3:.1f}",
+                _flag(f"{r['images_per_s']:.2f}", busy),
+                _flag(f"{r['latency_s'] * 1e3:.1f}", busy),
                 f"{r['flops_per_image'] / 1e9:.2f}",
             ]
         )
@@ -84,11 +120,15 @@ def format_vit_result(result: Mapping[str, Any]) -> str:
     table = format_table(["model", "images/s", "latency ms", "GFLOPs/image"], rows)
     summary = (
         f"predicted speedup {result['predicted_speedup']:.3f}x  "
-        f"measured {result['speedup']:.3f}x  "
+        f"measured {_flag(_speedup(result['speedup']), busy)}  "
         f"efficiency {result['efficiency']:.3f}  "
         f"(paired-repeat speedup {result['speedup_paired']:.3f}x)"
     )
-    lines = [header, table, summary, *_contention_lines(result)]
+    headline = (
+        f"headline: measured {result['speedup']:.3f}x (dense / MoD of the median latencies); the paired-repeat "
+        "speedup is the median of each repeat's own ratio, so it differs when the machine's speed drifts"
+    )
+    lines = [*_contention_lines(result), header, table, *_footnote(result), headline, summary]
     left_out = result["repeats"] - len(result["timed_repeats"])
     if left_out and not result["contended"]:
         lines.append(f"note: {left_out} repeats ran while other jobs held the CPU and were left out of the medians")
@@ -110,14 +150,16 @@ def _speedup(x: float | None, digits: int = 3) -> str:
 def generation_summary(result: Mapping[str, Any], label: str = "predicted prefill speedup") -> str:
     """Prefill against both FLOPs predictions, decode, KV cache and peak memory."""
     peak = result.get("peak_memory_change")
+    decode_stage = "decode" if "decode" in (result.get("contention") or {}) else "end to end and decode"
+    prefill = _flag(f"{result['prefill_speedup']:.3f}x", _contended(result, "prefill"))
     return (
-        f"{label} {result['predicted_speedup']:.3f}x  measured {result['prefill_speedup']:.3f}x  "
+        f"{label} {result['predicted_speedup']:.3f}x  measured {prefill}  "
         f"efficiency {result['prefill_efficiency']:.3f}\n"
         + _prefill_pairs(result)
         + f"  attention counted as a causal kernel computes it: predicted "
         f"{result['predicted_speedup_causal_attention']:.3f}x  efficiency "
         f"{result['prefill_efficiency_causal_attention']:.3f}\n"
-        f"decode (per step, inside generate): {_speedup(result['decode_speedup'])}  "
+        f"decode (per step, inside generate): {_flag(_speedup(result['decode_speedup']), _contended(result, decode_stage))}  "
         f"KV cache {signed_percent(-result['kv_cache_reduction'])}  "
         f"peak memory of generate {'-' if peak is None else signed_percent(peak)}"
         + _lockstep(result)
@@ -177,14 +219,15 @@ def _lockstep(result: Mapping[str, Any]) -> str:
 def format_generation_result(result: Mapping[str, Any]) -> str:
     """The plain-text report of `bench_llava`."""
     rows = []
+    busy_prefill, busy_decode = _contended(result, "prefill"), _contended(result, "decode")
     for name, label in (("dense", "dense"), ("mod", "MoD")):
         r = result[name]
         rows.append(
             [
                 label,
-                f"{r['prefill_s'] * 1e3:.1f}",
-                "-" if r["decode_step_s"] is None else f"{r['decode_step_s'] * 1e3:.2f}",
-                _decode(r),
+                _flag(f"{r['prefill_s'] * 1e3:.1f}", busy_prefill),
+                _flag("-" if r["decode_step_s"] is None else f"{r['decode_step_s'] * 1e3:.2f}", busy_decode),
+                _flag(_decode(r), busy_decode),
                 _mib(r["kv_cache_bytes"]),
                 _mib(r["peak_memory_bytes"]),
                 f"{r['flops'] / 1e9:.2f}",
@@ -199,7 +242,7 @@ def format_generation_result(result: Mapping[str, Any]) -> str:
     table = format_table(
         ["model", "prefill ms", "decode ms/step", "decode tok/s", "KV cache MiB", "peak MiB", "GFLOPs/seq"], rows
     )
-    lines = [header, table, generation_summary(result), *_contention_lines(result)]
+    lines = [*_contention_lines(result), header, table, *_footnote(result), _headline(result), generation_summary(result)]
     if result["decode_speedup"] is None:
         lines.append("note: with --new-tokens 1 there is no decode step to time (the first token ends the prefill)")
     return "\n".join(lines)
@@ -209,20 +252,21 @@ def format_video_result(result: Mapping[str, Any]) -> str:
     """The plain-text report of `bench_video`: throughput, where the time goes, and the prefill
     speedup against its FLOPs predictions."""
     rows = []
+    busy_prefill, busy_e2e = _contended(result, "prefill"), _contended(result, "end to end and decode")
     for name, label in (("dense", "dense"), ("mod", "MoD")):
         r = result[name]
         split = r["time_split"]
         rows.append(
             [
                 label,
-                f"{r['frames_per_s']:.2f}",
-                f"{r['end_to_end_s'] * 1e3:.0f}",
-                f"{split['decode_video_s'] * 1e3:.1f}",
-                f"{split['preprocess_s'] * 1e3:.1f}",
-                f"{split['first_token_s'] * 1e3:.0f}",
-                f"{r['prefill_s'] * 1e3:.0f}",
-                "-" if r["decode_step_s"] is None else f"{r['decode_step_s'] * 1e3:.2f}",
-                _decode(r),
+                _flag(f"{r['frames_per_s']:.2f}", busy_e2e),
+                _flag(f"{r['end_to_end_s'] * 1e3:.0f}", busy_e2e),
+                _flag(f"{split['decode_video_s'] * 1e3:.1f}", busy_e2e),
+                _flag(f"{split['preprocess_s'] * 1e3:.1f}", busy_e2e),
+                _flag(f"{split['first_token_s'] * 1e3:.0f}", busy_e2e),
+                _flag(f"{r['prefill_s'] * 1e3:.0f}", busy_prefill),
+                _flag("-" if r["decode_step_s"] is None else f"{r['decode_step_s'] * 1e3:.2f}", busy_e2e),
+                _flag(_decode(r), busy_e2e),
                 _mib(r["kv_cache_bytes"]),
                 _mib(r["peak_memory_bytes"]),
                 f"{r['flops'] / 1e9:.4g}",
@@ -245,10 +289,12 @@ def format_video_result(result: Mapping[str, Any]) -> str:
     )
     summary = (
         f"{generation_summary(result, 'prefill (vision + language): predicted speedup')}\n"
-        f"end to end: {result['speedup']:.3f}x frames/s  video decoding alone: "
+        f"end to end: {_flag(_speedup(result['speedup']), busy_e2e)} frames/s  video decoding alone: "
         f"{result['decode_only_frames_per_s']:.1f} frames/s"
     )
-    lines = [header, table, summary, *_contention_lines(result)]
+    headline = (_headline(result, "prefill (vision + language)") + "; end to end differs from the prefill's "
+                "ratio: video decoding, preprocessing and the decode steps are in it, and MoD does not cut them")
+    lines = [*_contention_lines(result), header, table, *_footnote(result), headline, summary]
     if result["decode_speedup"] is None:
         lines.append("note: with --new-tokens 1 there is no decode step to time (the first token ends the prefill)")
     return "\n".join(lines)

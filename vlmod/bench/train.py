@@ -42,8 +42,10 @@ from vlmod.bench.timing import (
     synchronize,
     time_interleaved,
 )
+from vlmod.bench.train_needs import check_room
 from vlmod.bench.video import VIDEO_PRESETS, default_video_layers
 from vlmod.errors import InputError, TrainError
+from vlmod.io.signals import sigterm_as_interrupt
 from vlmod.io.tables import format_table
 
 # The image and video benchmarks' presets (the video "tiny" as "tiny-video").
@@ -264,18 +266,24 @@ def bench_train(
     if model is not None:
         words = 35 if video else 60
     size = dense.config.vision_config.image_size
-    with tempfile.TemporaryDirectory(prefix="vlmod-bench-train-") as tmp:
-        inputs = on_device(synthetic_batch(processor, size, batch, words, video, Path(tmp)), dense)
     dense_mode, dense_flops_mode = DENSE_TRAINABLE[trainable]
     if trainable == "router":
         own_outside_towers(dense)
+    autocast = torch.bfloat16 if mixed_precision == "bf16" else (None if frozen == torch.float32 else frozen)
+    # A kill (SIGTERM) unwinds as Ctrl-C does: the temp folder and its pictures go with it.
+    with sigterm_as_interrupt(), tempfile.TemporaryDirectory(prefix="vlmod-bench-train-") as tmp:
+        check_room(  # the batch's files and the training memory, before any of it is made
+            {"dense": (dense, dense_mode), "mod": (mod, trainable)},
+            lambda rows, folder: synthetic_batch(processor, size, rows, words, video, folder), batch, Path(tmp),
+            autocast or torch.float32, gradient_checkpointing, device,
+        )
+        inputs = on_device(synthetic_batch(processor, size, batch, words, video, Path(tmp)), dense)
     try:
         lora = trainable == "lora"
         dense, dense_opt, dense_groups = prepare_training(dense, dense_mode, lora, gradient_checkpointing, seed)
         mod, mod_opt, mod_groups = prepare_training(mod, trainable, lora, gradient_checkpointing, seed)
     except TrainError as e:
         raise InputError(str(e)) from None
-    autocast = torch.bfloat16 if mixed_precision == "bf16" else (None if frozen == torch.float32 else frozen)
     # The trace forward runs as the steps do: the trained weights are float32 master weights now.
     with torch.no_grad(), autocast_to(torch.device(device), autocast), vlmod.trace_routing(mod) as trace:
         mod(**inputs, use_cache=False)

@@ -71,11 +71,12 @@ def default_video_layers(num_layers: int) -> list[int]:
 
 
 def _load_clip(path: Path, frames: int) -> Any:
+    from vlmod.data.llava_format import DataError
     from vlmod.data.video import VideoError, load_video
 
     try:
         return load_video(path, num_frames=frames)
-    except (FileNotFoundError, VideoError) as e:
+    except (FileNotFoundError, VideoError, DataError) as e:  # DataError: a FIFO, a folder, a symlink loop
         raise InputError(str(e)) from None
 
 

@@ -15,6 +15,7 @@ are bugs and keep their traceback.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
@@ -55,6 +56,13 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         raise UsageError(f"{message} (see {self.prog} --help)")
+
+    def _parse_optional(self, arg_string: str) -> Any:
+        # "-5GB", "-1e-3": a (bad) value of the flag before it, which that flag's type then refuses in its
+        # own words; argparse took it for an unknown flag ("expected one argument").
+        if re.fullmatch(r"-\.?\d[\w.+-]*", arg_string):
+            return None
+        return super()._parse_optional(arg_string)
 
 
 def build_parser() -> argparse.ArgumentParser:

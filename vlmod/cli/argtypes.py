@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import copy
 import math
+import os
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -65,6 +67,32 @@ def non_negative_float(text: str) -> float:
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
     return value
+
+
+def cores() -> int:
+    """The CPUs this process may run on (its affinity, which a container or `taskset` narrows)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # macOS, Windows: no affinity call
+        return os.cpu_count() or 1
+
+
+def threads(text: str) -> int:
+    """torch threads, 1 to the machine's cores: more only contend for the same cores (512 on 2 cores
+    ran, slower, with no word)."""
+    value = positive_int(text)
+    if value > cores():
+        raise argparse.ArgumentTypeError(f"expected at most {cores()} (this machine's cores), got {value}")
+    return value
+
+
+def byte_size(text: str) -> int | str:
+    """A size > 0 as save_pretrained reads it: bytes (5000000000) or a number with KB, MB, GB or TB
+    (5GB, 500MB); returned as save_pretrained takes it (int bytes, or the text)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]B)?\s*", text, flags=re.IGNORECASE)
+    if match is None or not float(match.group(1)) > 0 or not (match.group(2) or match.group(1).isdigit()):
+        raise argparse.ArgumentTypeError(f"expected a size > 0 such as 5GB, 500MB or a number of bytes, got {text!r}")
+    return text.strip() if match.group(2) else int(match.group(1))
 
 
 def port(text: str) -> int:

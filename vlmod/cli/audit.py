@@ -16,7 +16,7 @@ from vlmod.data import DataError
 from vlmod.errors import InputError
 from vlmod.evaluation.audit import AUDIT_ROUTERS, audit, format_report, plot
 from vlmod.evaluation.evaluate import check_checkpoint
-from vlmod.io.paths import check_output_dir
+from vlmod.io.paths import check_output_dir, not_found
 
 
 class AuditInputError(InputError):
@@ -82,7 +82,7 @@ def _run_audit(args: argparse.Namespace) -> int:
     if not Path(args.model).is_dir():
         raise AuditInputError(f"--model {args.model} is not a directory")
     if not Path(args.data).is_file():
-        raise AuditInputError(f"--data {args.data} does not exist")
+        raise AuditInputError(f"--data {args.data} {not_found(args.data)}")
     check_json_output(args.json, inputs=[args.model, args.data], error=AuditInputError)
     if args.plots:
         check_output_dir(args.plots, "--plots", inputs=[args.model, args.data], error=AuditInputError)

@@ -18,7 +18,7 @@ from vlmod.bench import (
     format_video_result,
     format_vit_result,
 )
-from vlmod.cli.argtypes import non_negative_int, option, positive_int
+from vlmod.cli.argtypes import non_negative_int, option, positive_int, threads
 from vlmod.cli.bench_ops import add_bench_ops_parser
 from vlmod.cli.bench_train import add_bench_train_parser
 from vlmod.cli.common import (
@@ -76,7 +76,8 @@ def add_bench_vit_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
         "--repeats", type=positive_int, default=10, help="timed forwards of each model (default: 10)"
     )
     p.add_argument(
-        "--threads", type=positive_int, default=None, help="torch intra-op threads (default: torch's)"
+        "--threads", type=threads, default=None,
+        help="torch intra-op threads, at most the machine's cores (default: torch's)"
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and batch (default: 0)")
     add_device_arguments(p, "float32 (the random weights' own)")

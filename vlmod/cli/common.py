@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from vlmod.bench import parse_layers
-from vlmod.cli.argtypes import add_dtype_argument, device, non_negative_int, positive_int, sdpa_order
+from vlmod.cli.argtypes import add_dtype_argument, device, non_negative_int, positive_int, sdpa_order, threads
 from vlmod.errors import InputError
 
 EXIT_USAGE = 2
@@ -100,7 +100,8 @@ def add_timing_arguments(p: argparse.ArgumentParser, warmup: int, repeats: int, 
     p.add_argument("--warmup", type=non_negative_int, default=warmup,
                    help=f"{warmup_help or 'untimed runs first'} (default: {warmup})")
     p.add_argument("--repeats", type=positive_int, default=repeats, help=f"timed runs (default: {repeats})")
-    p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--threads", type=threads, default=None,
+                   help="torch intra-op threads, at most the machine's cores (default: torch's)")
     p.add_argument("--json", metavar="PATH", default=None, help="also write the result as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 

@@ -7,9 +7,10 @@ import argparse
 from pathlib import Path
 
 from vlmod.bench import parse_layers
-from vlmod.cli.argtypes import add_dtype_argument, option, positive_int
+from vlmod.cli.argtypes import add_dtype_argument, byte_size, option, positive_int
 from vlmod.cli.common import MODEL_FLAG, SubParsers, UsageError, capacity, layers
 from vlmod.config import ROUTERS
+from vlmod.io.paths import not_found
 from vlmod.tools.arank import LayerRanks
 from vlmod.tools.calibrate import rank_checkpoint
 from vlmod.tools.convert import ConvertError, ConvertOptions, convert
@@ -46,7 +47,7 @@ def add_convert_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
     p.add_argument("--vision-capacity", type=capacity, default=None, help="also convert the vision tower at this capacity")
     p.add_argument("--vision-layers", type=layers, default=None, help="vision tower layers (default: every_other)")
     add_dtype_argument(p, default=None)
-    p.add_argument("--max-shard-size", default=None,
+    p.add_argument("--max-shard-size", type=byte_size, default=None,
                    help="largest weights file written, as transformers' save_pretrained (default: 5GB)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     p.set_defaults(run=run_convert, model_flags=MODEL_FLAG)
@@ -61,7 +62,7 @@ def _arank_layers(args: argparse.Namespace, spec: str) -> list[int]:
         raise UsageError(f"--layers {spec!r}: expected arank:N with N an integer") from None
     if args.ranks:
         if not Path(args.ranks).is_file():
-            raise UsageError(f"--ranks {args.ranks} does not exist")
+            raise UsageError(f"--ranks {args.ranks} {not_found(args.ranks)}")
         return LayerRanks.from_json(args.ranks).select(n=n)
     if not args.calib_data:
         raise UsageError("--layers arank:N needs --ranks ranks.json or --calib-data DATA")

@@ -3,9 +3,39 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
-from vlmod.cli.argtypes import device, non_negative_int, port, positive_float, positive_int
+from vlmod.cli.argtypes import device, int_at_least, non_negative_int, port, positive_float, positive_int
 from vlmod.cli.common import SubParsers, UsageError
+
+# The most one request may ask for: each is per-request work on the server (a million timing runs
+# wedged it for hours), so a flag above these is refused at start, in one line.
+MOST = {"--timing-runs": 50, "--max-new-tokens": 512, "--frames": 64, "--max-upload-mb": 1024}
+
+
+def at_most(flag: str, minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer from `minimum` to MOST[flag]."""
+    at_least, most = int_at_least(minimum), MOST[flag]
+
+    def parse(text: str) -> int:
+        try:
+            value = at_least(text)
+        except argparse.ArgumentTypeError:
+            value = None
+        if value is None or value > most:
+            raise argparse.ArgumentTypeError(f"expected an integer from {minimum} to {most}, got {text!r}")
+        return value
+
+    return parse
+
+
+def upload_mb(text: str) -> float:
+    """An argparse type: megabytes above 0 and at most MOST["--max-upload-mb"]."""
+    value = positive_float(text)
+    if value > MOST["--max-upload-mb"]:
+        raise argparse.ArgumentTypeError(f"expected a number of MB above 0 and at most {MOST['--max-upload-mb']}, "
+                                         f"got {text!r}")
+    return value
 
 
 def add_demo_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
@@ -22,7 +52,8 @@ def add_demo_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
                    "latency with (default: the embedded dense model when --model is not given)")
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=port, default=8000, help="port (default: 8000)")
-    p.add_argument("--max-upload-mb", type=positive_float, default=25.0, help="largest upload in MB (default: 25)")
+    p.add_argument("--max-upload-mb", type=upload_mb, default=25.0,
+                   help=f"largest upload in MB, at most {MOST['--max-upload-mb']} (default: 25)")
     p.add_argument(
         "--max-active", type=positive_int, default=2,
         help="requests decoding / running at once; bounds memory (default: 2)",
@@ -31,13 +62,15 @@ def add_demo_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
         "--max-waiting", type=non_negative_int, default=8,
         help="requests queued for a turn; more get 503 (default: 8)",
     )
-    p.add_argument("--max-new-tokens", type=positive_int, default=16, help="answer length in tokens (default: 16)")
-    p.add_argument("--frames", type=positive_int, default=8, help="frames sampled from a video (default: 8)")
+    p.add_argument("--max-new-tokens", type=at_most("--max-new-tokens", 1), default=16,
+                   help=f"answer length in tokens, at most {MOST['--max-new-tokens']} (default: 16)")
+    p.add_argument("--frames", type=at_most("--frames", 1), default=8,
+                   help=f"frames sampled from a video, at most {MOST['--frames']} (default: 8)")
     p.add_argument("--device", type=device, default="cpu", help="torch device, e.g. cpu or cuda (default: cpu)")
     # vlmod.demo.latency.TIMING_RUNS (not imported here: the demo's server stack loads on `vlmod demo` only)
-    p.add_argument("--timing-runs", type=non_negative_int, default=5, help="timed generates per model per "
-                   "request, MoD and dense interleaved: time to first token and decode per token shown apart, "
-                   "medians with their interval; 0 = no latency (default: 5)")
+    p.add_argument("--timing-runs", type=at_most("--timing-runs", 0), default=5, help="timed generates per model "
+                   "per request, MoD and dense interleaved: time to first token and decode per token shown apart, "
+                   f"medians with their interval; 0 = no latency, at most {MOST['--timing-runs']} (default: 5)")
     p.add_argument("--compile", action="store_true", help="both models decode compiled (vlmod.compile), compiled "
                    "before the first request; a family that cannot compile says why and runs eager (default: off)")
     p.set_defaults(run=run_demo, model_flags=(("model", "--model"), ("dense", "--dense")))
@@ -46,7 +79,8 @@ def add_demo_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
 
 def run_demo(args: argparse.Namespace) -> int:
     try:
-        from vlmod.demo.app import DemoSetupError, serve
+        from vlmod.demo.app import DemoSetupError
+        from vlmod.demo.serve import serve
     except ImportError as e:
         raise UsageError(f"the demo needs its extra: pip install 'vlmod[demo]' ({e})") from None
     try:

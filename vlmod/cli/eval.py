@@ -15,7 +15,7 @@ from vlmod.cli.common import SubParsers, check_json_output, write_json_result
 from vlmod.data import DataError, load_records
 from vlmod.evaluation import evaluate as ev  # looked up at call time: a test may replace a function
 from vlmod.evaluation.latency import TIMING_RUNS
-from vlmod.io.paths import check_not_among
+from vlmod.io.paths import check_not_among, not_found
 from vlmod.tools.compile import maybe_compile
 
 
@@ -67,7 +67,7 @@ def add_evaluate_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
 def run_evaluate(args: argparse.Namespace) -> int:
     """Evaluate --model (and --compare), print the table, write --json."""
     if not Path(args.data).expanduser().is_file():
-        raise ev.EvalError(f"data file {args.data} does not exist")
+        raise ev.EvalError(f"data file {args.data} {not_found(args.data)}")
     if args.json:
         check_json_output(args.json, inputs=[args.model, args.compare, args.data], error=ev.EvalError)
         try:

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 from pathlib import Path
 from typing import Any
 
-from vlmod.cli.argtypes import finite_float, int_at_least, non_negative_float, positive_int
-from vlmod.cli.common import SubParsers
+from vlmod.cli.argtypes import finite_float, int_at_least, non_negative_float, positive_int, threads
+from vlmod.cli.common import EXIT_INTERRUPTED, SubParsers
 from vlmod.errors import InputError
 from vlmod.recipes.settings import DEFAULT_STACK_SHARE, ISOFLOP_DENSE_STEPS, TASKS, RecipeSettings
 
@@ -85,6 +86,10 @@ def stack_shares(given: list[tuple[float | None, float]], task_default: RecipeSe
     target's (its own, else the bare one, else the task's default)."""
     flag = "--stack-train-share" if training else "--stack-share"
     named = {t: s for t, s in given if t is not None}
+    twice = sorted({t for t, _ in given if t is not None and sum(u == t for u, _ in given) > 1})
+    if twice:  # a dict would keep the last one silently
+        raise InputError(f"{flag} gives {', '.join(f'{t:g}x' for t in twice)} more than once: give each target's "
+                         "share once")
     bare = [s for t, s in given if t is None]
     if len(bare) > 1:
         raise InputError(f"{flag} takes one bare SHARE (for every point), got {len(bare)}: name the others' "
@@ -151,7 +156,8 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                         help="also fine-tune the dense model exactly as the MoD stage (steps, lr, distillation), "
                              "unconverted: what the extra training alone gives (default: off; costs about the "
                              "MoD stage's time again)")
-    parser.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--threads", type=threads, default=None,
+                        help="torch threads, at most the machine's cores (default: torch's)")
     parser.add_argument("--reuse-dense", action="store_true",
                         help="keep the dense model of an earlier run in --out (same settings); rerun the MoD stages "
                              "(default: train it)")
@@ -226,6 +232,16 @@ def run_recipe_command(args: argparse.Namespace) -> int:
     if args.reuse_trained and not args.reuse_dense:
         raise InputError("--reuse-trained goes with --reuse-dense (the fine-tunes start from that dense model)")
     check_recipe_out(out, args.reuse_dense, args.overwrite)  # before the training stack loads
+    from vlmod.recipes.reuse import run_again
+
+    try:
+        return _run(args, out, settings)
+    except KeyboardInterrupt:  # the rerun that keeps the finished dense model names --reuse-dense
+        print(f"error: interrupted (Ctrl-C); nothing was left half-written; {run_again(out)}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _run(args: argparse.Namespace, out: Path, settings: RecipeSettings) -> int:
     if args.isoflop:
         from vlmod.recipes.isoflop import run_isoflop
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from vlmod.cli.argtypes import positive_int
+from vlmod.cli.argtypes import int_at_least
 from vlmod.cli.common import SubParsers
 from vlmod.models.scale import SHAPES
 from vlmod.recipes.scale_check import STAGES, format_table, scale_check
+from vlmod.recipes.scale_needs import MIN_LAYERS
 
 
 def add_scale_check_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
@@ -25,8 +26,9 @@ def add_scale_check_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
     p.add_argument("--shape", choices=SHAPES, default=SHAPES[0], help=f"model shape (default: {SHAPES[0]})")
     p.add_argument("--workdir", default="scale-check",
                    help="folder for the checkpoints, data, logs and table (default: scale-check)")
-    p.add_argument("--layers", type=positive_int, default=32,
-                   help="language layers (default: 32, the real model; fewer for a quicker look)")
+    p.add_argument("--layers", type=int_at_least(MIN_LAYERS), default=32,
+                   help=f"language layers, at least {MIN_LAYERS}: convert makes every other layer MoD, so one layer "
+                   "has none to convert (default: 32, the real model; fewer for a quicker look)")
     p.add_argument("--stages", default=",".join(STAGES), help=f"comma list of stages (default: {','.join(STAGES)})")
     p.add_argument("--keep", action="store_true", help="keep the fine-tuned models (default: delete each once measured)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

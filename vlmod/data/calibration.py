@@ -31,7 +31,9 @@ def calibration_samples(
     clip (8 frames, sampled uniformly)."""
     path = Path(data).expanduser()
     if not path.exists():
-        raise DataError(f"data {path} does not exist")
+        from vlmod.io.paths import not_found
+
+        raise DataError(f"data {path} {not_found(path)}")
     if path.is_dir():
         if not prompt:
             raise DataError(

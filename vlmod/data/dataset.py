@@ -54,6 +54,11 @@ def _media_errors() -> tuple[type[BaseException], ...]:
     return (OSError, ValueError, Image.DecompressionBombError)
 
 
+class FrameCountError(DataError):
+    """`num_frames` is more than a clip has, by so much that repeating its frames is over the
+    pixel budget of a clip: the setting is wrong, not the clip."""
+
+
 @dataclass(frozen=True)
 class SkippedRecord:
     """A record left out because its image or video could not be loaded."""
@@ -135,6 +140,10 @@ class LlavaDataset(torch.utils.data.Dataset):
         from vlmod.data.video import processor_short_side
 
         self._frame_side = processor_short_side(processor)  # frames are decoded at the size the processor needs
+        if isinstance(num_frames, bool) or not isinstance(num_frames, int) or num_frames < 1:
+            # refused once, as the setting it is, not once a record as an unreadable video
+            raise DataError(f"num_frames must be a whole number >= 1 (frames sampled from each clip), got "
+                            f"{num_frames!r}")
         self.padding_side = getattr(self.tokenizer, "padding_side", "left") or "left"
         pad = getattr(self.tokenizer, "pad_token_id", None)
         self.pad_token_id = int(pad if pad is not None else (getattr(self.tokenizer, "eos_token_id", None) or 0))
@@ -160,6 +169,8 @@ class LlavaDataset(torch.utils.data.Dataset):
                 else:
                     for p in self._media_paths(r):
                         check_regular_file(p, "image/video")
+            except FrameCountError:
+                raise  # the setting: every clip as short would be skipped
             except _media_errors() as e:
                 self._skip(r, e)
                 continue
@@ -176,6 +187,20 @@ class LlavaDataset(torch.utils.data.Dataset):
 
     # -- media ---------------------------------------------------------------------------------
 
+    def _clip(self, path: Path) -> Any:
+        """The clip's `num_frames` frames (`to_frame_count` repeats a shorter clip's). A clip is not
+        broken for being shorter than asked: FrameCountError (the setting, not the clip) only when
+        repeating its frames that many times is over a clip's pixel budget."""
+        from vlmod.data.video import MAX_CLIP_PIXELS, load_video
+
+        frames = load_video(path, self.num_frames, short_side=self._frame_side).frames
+        n, (have, height, width) = self.num_frames, frames.shape[:3]
+        if have < n and n * height * width > MAX_CLIP_PIXELS:
+            raise FrameCountError(f"num_frames {n:,} is more than {path} has ({have}): repeated to {n:,}, its "
+                                  f"{width}x{height} frames are over the {MAX_CLIP_PIXELS:,}-pixel budget of a clip; "
+                                  f"set num_frames to at most {max(have, MAX_CLIP_PIXELS // (height * width)):,}")
+        return to_frame_count(frames, n)
+
     def _token_id(self, token: str, attr: str) -> int | None:
         tok = getattr(self.processor, attr, None) or token
         tid = self.tokenizer.convert_tokens_to_ids(tok)
@@ -190,14 +215,11 @@ class LlavaDataset(torch.utils.data.Dataset):
         """(images, videos) of `record`; with `cache`, each file set decoded once for the dataset's
         life: the check when the set is read, the training items and the evaluation prompts of
         every record showing it (a clip asked about and captioned) share one decoding."""
-        from vlmod.data.video import load_video
-
         key = tuple(self._media_paths(record))
         if key in self._media_cache:
             return self._media_cache[key]
         images = [load_image(p) for p in record.images]
-        videos = [to_frame_count(load_video(record.video_path, self.num_frames, short_side=self._frame_side).frames,
-                                 self.num_frames)] if record.video_path is not None else []
+        videos = [self._clip(record.video_path)] if record.video_path is not None else []
         if self.cache:
             self._media_cache[key] = images, videos
         return images, videos
@@ -385,6 +407,8 @@ class LlavaDataset(torch.utils.data.Dataset):
             record = self.records[(index + step) % len(self.records)]
             try:
                 media = self._load_media(record)
+            except FrameCountError:
+                raise
             except errors as e:
                 self._skip(record, e)
                 warnings.warn(
@@ -444,8 +468,10 @@ class LlavaDataset(torch.utils.data.Dataset):
     def _checked_media(self, record: LlavaRecord) -> tuple[list[Any], list[Any]]:
         try:
             return self._load_media(record)
+        except FrameCountError:
+            raise
         except _media_errors() as e:
             raise DataError(f"record {record.id!r}: cannot load its image/video: {e}") from None
 
 
-__all__ = ["LlavaDataset", "PromptInputs", "SkippedRecord"]
+__all__ = ["FrameCountError", "LlavaDataset", "PromptInputs", "SkippedRecord"]

@@ -17,6 +17,7 @@ a record without the keys the format requires names the file and the record.
 
 from __future__ import annotations
 
+import errno
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -72,7 +73,9 @@ def read_json_records(path: str | Path) -> list[dict[str, Any]]:
     """The raw records of a LLaVA-format `.json` (a list) or `.jsonl` (one record per line)."""
     path = Path(path).expanduser()
     if not path.exists():
-        raise DataError(f"data file {path} does not exist")
+        from vlmod.io.paths import not_found
+
+        raise DataError(f"data file {path} {not_found(path)}")
     if not path.is_file():
         raise DataError(f"{path} is not a file")
     try:
@@ -186,6 +189,11 @@ def check_regular_file(path: str | Path, what: str = "image") -> Path:
         mode = path.stat().st_mode
     except FileNotFoundError:
         raise FileNotFoundError(f"{what} file {path} does not exist") from None
+    except OSError as e:  # a symlink loop, a name too long: a bad path, not a bad file
+        from vlmod.io.paths import LOOP
+
+        reason = LOOP if e.errno == errno.ELOOP else f"cannot be read ({e.strerror or e})"
+        raise DataError(f"{what} path {path} {reason}") from None
     if not stat.S_ISREG(mode):
         kind = "a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "not a regular file"
         raise DataError(f"{what} path {path} is {kind}; give the path of a {what} file")

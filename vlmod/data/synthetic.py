@@ -336,7 +336,8 @@ def generate(
     usable by image-only LLaVA models. `distractors` (0..4) caps the extra shapes of colour,
     shape and position scenes: 0 makes single-shape scenes, an easier set. `captions`: each
     training split also gets a caption record per sample (`caption`; validation stays
-    questions). Same arguments, same bytes."""
+    questions). With `video`, an image split of 0 samples is not written. Same arguments, same
+    bytes."""
     for name, value in (("num_train", num_train), ("num_val", num_val)):
         if value < 0:
             raise ValueError(f"{name} must be >= 0, got {value}")
@@ -360,6 +361,9 @@ def generate(
     video_size = image_size // 2 * 2  # H.264 wants even sides
     jobs = [("image", "train", num_train, qtypes, image_size), ("image", "val", num_val, qtypes, image_size)]
     if video:
+        # An image split of no samples beside the clips is not written: an empty val.json next to
+        # video_val.json only made `vlmod eval --data .../val.json` fail on the video recipe's folder.
+        jobs = [j for j in jobs if j[2]]
         jobs += [("video", "train", num_videos, vtypes, video_size), ("video", "val", num_val_videos, vtypes, video_size)]
     from tqdm.auto import tqdm
 

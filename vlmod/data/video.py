@@ -117,8 +117,11 @@ def load_video(
     path = check_regular_file(path, "video")
     if fps is not None and sample == "uniform":
         sample = "fps"
-    header = _check_claims(path)
-    size = decode_size(*header, num_frames, short_side, max_pixels) if header else None
+    header, claimed = _check_claims(path)
+    # A clip shorter than asked gives the frames it has, so the pixel budget is shared among those:
+    # shared among `num_frames` (100000), each frame came out a few pixels wide and decord failed.
+    wanted = min(num_frames, claimed) if claimed else num_frames
+    size = decode_size(*header, wanted, short_side, max_pixels) if header else None
     try:
         import decord
     except ImportError:
@@ -152,30 +155,30 @@ def load_video(
     return Video(frames=frames, timestamps=stamps.astype(np.float64), fps=video_fps, total_frames=total)
 
 
-def _check_claims(path: Path) -> tuple[int, int] | None:
+def _check_claims(path: Path) -> tuple[tuple[int, int] | None, int]:
     """Refuse a file whose container claims more frames than it has bytes, before decord reads it:
     decord sizes its frame index from the claim, and a 5 KB mp4 whose `stts` box claims two billion
     frames makes it abort the whole process (std::bad_alloc, not catchable from Python). PyAV reads
-    the claim without building that index. Returns the frame size (width, height) the headers give,
-    None when PyAV is missing or cannot tell."""
+    the claim without building that index. Returns the frame size (width, height) the headers give
+    (None when PyAV is missing or cannot tell) and the frames they claim (0: not told)."""
     try:
         import av
     except ImportError:  # nothing to check with: decord's own handling
-        return None
+        return None, 0
     try:
         with av.open(str(path)) as container:
             claimed = max((int(s.frames or 0) for s in container.streams.video), default=0)
             ctx = container.streams.video[0].codec_context if container.streams.video else None
             header = (int(ctx.width or 0), int(ctx.height or 0)) if ctx is not None else (0, 0)
     except (av.error.FFmpegError, OSError, ValueError):
-        return None  # unreadable to PyAV too: decord gives the reason
+        return None, 0  # unreadable to PyAV too: decord gives the reason
     size = path.stat().st_size
     if claimed > size:
         raise VideoError(
             f"could not read {path}: its header claims {claimed:,} frames in {size:,} bytes (a damaged or "
             "forged file); re-encode it, e.g. ffmpeg -i IN -c:v libx264 OUT.mp4"
         )
-    return header if min(header) > 0 else None
+    return (header if min(header) > 0 else None), claimed
 
 
 def _quietly(fn: Callable[[], Any]) -> tuple[Any, str | None]:
@@ -237,8 +240,8 @@ def _load_with_av(
             video_fps = float(stream.average_rate or 0.0)
             total = int(stream.frames or 0)
             keep = set(sample_indices(total, num_frames, sample, fps, video_fps).tolist()) if total > 0 else None
-            width, height = decode_size(stream.codec_context.width, stream.codec_context.height, num_frames,
-                                        short_side, max_pixels)
+            width, height = decode_size(stream.codec_context.width, stream.codec_context.height,
+                                        min(num_frames, total) if total > 0 else num_frames, short_side, max_pixels)
             decoded = [
                 (f.reformat(width=width, height=height, format="rgb24").to_ndarray() if keep is None or i in keep
                  else None, float(f.time or 0.0))

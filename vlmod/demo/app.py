@@ -10,6 +10,8 @@ API (errors are always `{"error": "..."}` with a 4xx status):
 
       {"kind": "image" | "video", "input": "image" | "frames" | "video", "prompt", "answer",
        "source": {"example": name} | {"upload": {"bytes": n}},
+       "expected": null | {"answer", "mod": bool, "dense": bool | null} (a bundled example asked
+                   its own question: each answer marked correct or wrong, as evaluation scores),
        "layers": {"language": {"total", "mod": [i, ...]}, "vision": {"total", "mod": [...]}},
        "media": [{"index", "time_s", "width", "height", "src": data URL of the part the model saw,
                   "original": {"width", "height", "src" (when cropped: the whole picture, upright)},
@@ -50,6 +52,7 @@ request quietly (no traceback in the log).
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import tempfile
 import threading
@@ -69,20 +72,25 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from vlmod.demo import guards
 from vlmod.demo.analysis import analyze
 from vlmod.demo.checkpoints import resolve_checkpoint
-from vlmod.demo.examples import EXAMPLES_DIR, Example, about_model, load_examples
+from vlmod.demo.examples import EXAMPLES_DIR, Example, about_model, grade, load_examples
 from vlmod.demo.guards import (
     MIN_UPLOAD_RATE,
-    UPLOAD_GRACE_S,
     BodyLimit,
     BodyTooLarge,
     BodyTooSlow,
+    Busy,
+    Cancelled,
     QuietTurn,
     WorkGate,
+    cancellable,
     error,
     save_upload,
     too_large,
+    wait_turn,
+    watch_disconnect,
 )
 from vlmod.demo.inference import warm_up
 from vlmod.demo.latency import TIMING_RUNS
@@ -151,6 +159,7 @@ class Limits:
     max_resized_pixels: int
     max_active: int
     max_waiting: int
+    max_wait_s: float
 
     def report(self) -> dict[str, Any]:
         """The `limits` of /api/health."""
@@ -164,6 +173,7 @@ class Limits:
             "max_aspect": self.max_aspect,
             "max_active": self.max_active,
             "max_waiting": self.max_waiting,
+            "max_wait_s": self.max_wait_s,
         }
 
 
@@ -184,6 +194,7 @@ def create_app(
     tmp_dir: str | Path | None = None,
     examples_dir: Path = EXAMPLES_DIR,
     compile: bool = False,  # noqa: A002
+    max_wait_s: float | None = None,
 ) -> Starlette:
     """The demo app serving `model_dir` (default: the embedded model) and, when given or embedded,
     its dense counterpart for side-by-side answers and latency.
@@ -193,12 +204,14 @@ def create_app(
     (`vlmod.demo.latency.measure_latency`), 0 reports no latency.
     max_active / max_waiting: requests decoding or running at once / queued for a turn (the rest
     get 503): what bounds the server's memory under parallel uploads. compile: both models decode
-    compiled (`vlmod.compile`), compiled at the warm-up.
+    compiled (`vlmod.compile`), compiled at the warm-up. max_wait_s: how long a request waits for
+    a slot or the model before a 503 (None: `guards.MAX_WAIT_S`).
     """
     limits = Limits(
         max_upload=int(max_upload_mb * 2**20), max_new_tokens=max_new_tokens, num_frames=num_frames,
         timing_runs=timing_runs, max_pixels=max_pixels, max_aspect=max_aspect,
         max_resized_pixels=max_resized_pixels, max_active=max_active, max_waiting=max_waiting,
+        max_wait_s=guards.MAX_WAIT_S if max_wait_s is None else max_wait_s,
     )
     model_path, dense_path = resolve_model_dirs(model_dir, dense_dir)
     loaded = load_model(model_path, dense_path, device=device, compile=compile)
@@ -226,6 +239,7 @@ class Demo:
         self.loaded, self.about, self.limits, self.tmp_dir = loaded, about, limits, tmp_dir
         self.examples, self.examples_dir = examples, examples_dir
         self.model_lock = threading.Lock()
+        self.stopping = threading.Event()  # set on SIGINT / SIGTERM: requests in progress end at their next token
         self.gate = WorkGate(limits.max_active, limits.max_waiting)
         self.quiet = QuietTurn()
         self.placeholders = _placeholder_tokens(loaded.processor)
@@ -248,6 +262,7 @@ class Demo:
         app = Starlette(routes=routes, exception_handlers=handlers)
         app.add_middleware(BodyLimit, limit=self.limits.max_upload + FORM_OVERHEAD)
         app.state.loaded = self.loaded
+        app.state.stopping = self.stopping
         app.state.examples = self.examples
         return app
 
@@ -287,10 +302,7 @@ class Demo:
 
     async def analyze(self, request: Request) -> Response:
         if not self.gate.admit():
-            return JSONResponse(
-                {"error": f"the demo is busy ({self.gate.active + self.gate.waiting} requests in progress); try again in a few seconds"},
-                status_code=503, headers={"Retry-After": "5"},
-            )
+            return self._busy()
         try:
             return await self._analyze(request)
         except Refusal as refusal:
@@ -298,15 +310,28 @@ class Demo:
         finally:
             self.gate.leave()
 
+    def _busy(self) -> JSONResponse:
+        return JSONResponse(
+            {"error": f"the demo is busy ({self.gate.active + self.gate.waiting} requests in progress); try again in a few seconds"},
+            status_code=503, headers={"Retry-After": "5"},
+        )
+
     async def _analyze(self, request: Request) -> Response:
         received = time.perf_counter()
         form = await self._read_form(request)
         workdir = Path(tempfile.mkdtemp(prefix="vlmod-demo-", dir=self.tmp_dir))
+        left = threading.Event()  # the client went away: its request stops holding a slot or the model
+        watch = asyncio.ensure_future(watch_disconnect(request, left))
         try:
             prompt = self._prompt(form)
             path, source = await self._input(form, workdir)
             try:
-                result, decoded = await run_in_threadpool(self.decode_and_run, path, prompt, received)
+                result, decoded = await run_in_threadpool(self.decode_and_run, path, prompt, received, left)
+            except Busy:
+                return self._busy()
+            except Cancelled:
+                why = "the demo is stopping" if self.stopping.is_set() else "the client went away"
+                return error(f"{why}: the request was stopped; try again", 503)
             except MediaError as err:
                 return error(_plain_media_error(err, path), err.status)
             except AnalysisError as err:
@@ -314,9 +339,15 @@ class Demo:
             except ValueError as err:  # the processor or the model refused this prompt / picture
                 return error(f"the model could not process this input: {str(err).splitlines()[0][:300]}", 422)
         finally:
+            watch.cancel()
             await form.close()
             shutil.rmtree(workdir, ignore_errors=True)
         result["source"] = source
+        example = self.examples.get(source.get("example", ""))
+        dense = result["stats"]["dense"]
+        result["expected"] = None if example is None else grade(
+            example, prompt, result["answer"], None if dense is None else dense["answer"]
+        )
         result["stats"]["latency_s"]["decode"] = decoded
         return JSONResponse(result)
 
@@ -335,11 +366,17 @@ class Demo:
             raise Refusal(error("the client went away before its upload arrived", 400)) from None
         except BodyTooSlow:
             raise Refusal(error(
-                f"the upload arrived too slowly (the demo waits {UPLOAD_GRACE_S:.0f} s plus one second per "
-                f"{MIN_UPLOAD_RATE // 1024} KB); try again on a faster connection", 408,
+                f"the upload arrived too slowly (the demo needs {MIN_UPLOAD_RATE // 1024} KB a second, over any "
+                f"{guards.RATE_WINDOW_S:.0f} s once the first {guards.UPLOAD_GRACE_S:.0f} s have passed); try again "
+                "on a faster connection", 408,
             )) from None
-        except MultiPartException as err:
-            raise Refusal(error(f"bad form data: {err}", 400)) from None
+        except (MultiPartException, HTTPException) as err:  # Starlette raises the parser's as a 400
+            detail = str(getattr(err, "detail", None) or getattr(err, "message", None) or err)
+            if "exceeded maximum size" in detail:  # a text field (the prompt) over FORM_OVERHEAD
+                raise Refusal(error(
+                    f"the prompt is too long (over {FORM_OVERHEAD // 1024} KB; at most {MAX_PROMPT_CHARS} characters)", 413,
+                )) from None
+            raise Refusal(error(f"bad form data: {detail}", 400)) from None
         except (AssertionError, ValueError) as err:  # no / wrong content type
             raise Refusal(error(f"send multipart/form-data with a prompt and a file or an example ({err})", 400)) from None
 
@@ -382,12 +419,20 @@ class Demo:
 
     # -- the heavy section, in worker threads ----------------------------------------------------
 
-    def decode_and_run(self, path: Path, prompt: str, received: float) -> tuple[dict[str, Any], float]:
+    def decode_and_run(self, path: Path, prompt: str, received: float,
+                       left: threading.Event | None = None) -> tuple[dict[str, Any], float]:
         """Inside one of the gate's slots: decode, then `run_model`. The decoded pictures live only
         in here, so at most `max_active` exist at once; their memory goes back to the system before
-        the slot is given up. Returns (result, decode seconds)."""
+        the slot is given up. Returns (result, decode seconds). Busy when no slot or no turn at the
+        model comes within `max_wait_s`; Cancelled once `left` or `stopping` is set (a wait gives up,
+        a generate stops at its next token)."""
+        events = (self.stopping,) if left is None else (self.stopping, left)
+        with cancellable(events, time.monotonic() + self.limits.max_wait_s):
+            return self._decode_and_run(path, prompt, received)
+
+    def _decode_and_run(self, path: Path, prompt: str, received: float) -> tuple[dict[str, Any], float]:
         start = time.perf_counter()
-        self.gate.acquire()
+        wait_turn(self.gate.acquire)
         try:
             waited = time.perf_counter() - start
             limits = self.limits
@@ -405,12 +450,15 @@ class Demo:
     def run_model(self, media: Any, prompt: str) -> dict[str, Any]:
         """Wait for the model, then analyse (one request at a time)."""
         start = time.perf_counter()
-        with self.model_lock:
+        wait_turn(lambda timeout: self.model_lock.acquire(timeout=timeout))
+        try:
             waited = time.perf_counter() - start
             result = analyze(
                 self.loaded, media, prompt, max_new_tokens=self.limits.max_new_tokens,
                 timing_runs=self.limits.timing_runs, hold_off=self.quiet.exclusive,
             )
+        finally:
+            self.model_lock.release()
         result["stats"]["latency_s"]["queue"] = waited
         return result
 
@@ -446,40 +494,3 @@ def _placeholder_tokens(processor: Any) -> list[str]:
         if isinstance(token, str) and token:
             tokens.add(token)
     return sorted(tokens)
-
-
-def serve(
-    model_dir: str | Path | None = None,
-    dense_dir: str | Path | None = None,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    **kwargs: Any,
-) -> None:
-    """Load the model and serve the demo with uvicorn until interrupted. The port is bound before
-    the model loads, so a busy port fails at once and the address printed is one that listens."""
-    import socket
-
-    import uvicorn
-
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as err:
-        sock.close()
-        raise DemoSetupError(
-            f"cannot listen on {host}:{port} ({err.strerror or err}); pick another --port or --host"
-        ) from None
-    try:
-        app = create_app(model_dir, dense_dir, **kwargs)
-        sock.listen(128)
-        if host in ("0.0.0.0", "::"):
-            where = f"all interfaces, port {port} (http://{socket.gethostname()}:{port}, http://localhost:{port})"
-        else:
-            where = f"http://{'localhost' if host == '127.0.0.1' else host}:{port}"
-        print(f"vlmod demo: serving {app.state.loaded.path} on {where}", flush=True)
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        server.run(sockets=[sock])
-    finally:
-        sock.close()

@@ -11,6 +11,7 @@ import torch
 from PIL import Image
 from torch import nn
 
+from vlmod.demo.guards import check_cancelled
 from vlmod.demo.media import Media
 from vlmod.demo.model import LoadedModel
 from vlmod.tools.cache import generate_cache
@@ -52,15 +53,16 @@ def generate(
     """(answer, seconds) of a greedy generate; exact: always `max_new_tokens` new tokens (an
     end-of-sequence token does not stop it), so two models' times count the same work. clock: a
     logits processor called once per new token (`vlmod.bench.decode.StepClock`), which tells the
-    prefill from the decode steps."""
+    prefill from the decode steps. A request that is cancelled meanwhile (its client left, the
+    server stops: `vlmod.demo.guards.cancellable`) raises Cancelled at its next token."""
+    from transformers import LogitsProcessorList
+
+    check_cancelled()
     tokenizer = getattr(processor, "tokenizer", processor)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     extra = {"min_new_tokens": max_new_tokens} if exact else {}
     extra.update(generate_cache(model, max_new_tokens))
-    if clock is not None:
-        from transformers import LogitsProcessorList
-
-        extra["logits_processor"] = LogitsProcessorList([clock])
+    extra["logits_processor"] = LogitsProcessorList([_cancel_check] + ([clock] if clock is not None else []))
     device = next(model.parameters()).device
     _sync(device)
     start = time.perf_counter()
@@ -69,6 +71,12 @@ def generate(
     seconds = time.perf_counter() - start
     new = out[:, inputs["input_ids"].shape[1] :]
     return tokenizer.batch_decode(new, skip_special_tokens=True)[0].strip(), seconds
+
+
+def _cancel_check(input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """A logits processor that ends a cancelled request's generate at the next token."""
+    check_cancelled()
+    return scores
 
 
 def _sync(device: torch.device) -> None:

@@ -42,6 +42,7 @@ from vlmod.data import LlavaDataset
 from vlmod.evaluation import evaluate as evaluation
 from vlmod.evaluation.audit_plots import plot
 from vlmod.evaluation.audit_stats import independent_jaccard, jaccard_matrix, routing_stats
+from vlmod.evaluation.evidence import chance_accuracy, verdict_evidence
 from vlmod.io.tables import format_table
 from vlmod.routing.trace import find_parts
 
@@ -73,6 +74,9 @@ def verdict(
         )
     if learned is not None:
         n = int(learned.get("num_samples") or 0)
+        judged = len(lines)  # the comparisons below carry verdicts: only on a model that learned the task
+        evidence = verdict_evidence(learned["accuracy"], n, chance_accuracy(learned.get("accuracy_by_type") or {}),
+                                    who="the audited model")
         for other in ("random", "stride", "inverted", "attention"):
             if other not in results:
                 continue
@@ -121,6 +125,10 @@ def verdict(
                 + ("the learned ranking carries information" if hurts
                    else "the learned ranking is not shown to matter on this set")
             )
+        if not evidence.enough:  # the gaps stay in the JSON; the words would mean nothing
+            del lines[judged:]
+            lines.append(evidence.line().rstrip("."))
+            out["evidence"] = evidence.why_not
     lang = routing.get("learned", {}).get("language") or next(iter(routing.get("learned", {}).values()), None)
     if lang is not None and lang["jaccard"]["mean_off_diagonal"] is not None:
         j, j0 = lang["jaccard"]["mean_off_diagonal"], lang["jaccard"]["independent_baseline"]

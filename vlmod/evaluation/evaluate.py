@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from vlmod.data import DataError, LlavaDataset, collate, load_records
 from vlmod.data.answers import answer_mask, is_correct
 from vlmod.errors import InputError
+from vlmod.evaluation.evidence import chance_accuracy, verdict_evidence
 from vlmod.evaluation.frontier import paired_gap
 from vlmod.evaluation.latency import time_generation
 from vlmod.io.tables import format_table
@@ -125,7 +126,9 @@ def _dataset(
         return data
     path = Path(data).expanduser()
     if not path.is_file():
-        raise EvalError(f"data file {data} does not exist")
+        from vlmod.io.paths import not_found
+
+        raise EvalError(f"data file {data} {not_found(path)}")
     try:
         frames: dict[str, Any] = {"max_tokens": max_tokens}
         if num_frames is not None:
@@ -348,8 +351,11 @@ def paired_gap_line(a: EvalReport, b: EvalReport) -> str:
     gap = paired_gap(*marks) if same else None
     if gap is None:
         return f"{a.name} minus {b.name}: {100 * (a.accuracy - b.accuracy):+.1f} points (not the same questions: no interval)"
-    return (f"{a.name} minus {b.name}: {gap[0]:+.1f} points, 95% interval {gap[1]:+.1f} to {gap[2]:+.1f} "
+    line = (f"{a.name} minus {b.name}: {gap[0]:+.1f} points, 95% interval {gap[1]:+.1f} to {gap[2]:+.1f} "
             f"(paired, {len(a.samples)} questions)")
+    # b is the reference (the dense original): on a toy set the interval alone reads like a verdict.
+    evidence = verdict_evidence(b.accuracy, len(b.samples), chance_accuracy(b.accuracy_by_type), who=b.name)
+    return line if evidence.enough else f"{line}. {evidence.line()}"
 
 
 def _pct(value: float | None) -> str:

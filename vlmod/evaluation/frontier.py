@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vlmod.evaluation.evidence import Evidence, chance_accuracy, verdict_evidence
 from vlmod.routing.schedule import capacity_to_k, layer_capacities
 from vlmod.tools.flops import DecoderDims, language_prefill_flops
 
@@ -357,6 +358,13 @@ def _name(r: Mapping[str, Any]) -> str:
     return "MoD" if r["method"] == "learned" else "MoD stacked on pre-LLM reduction"
 
 
+def rows_evidence(rows: Sequence[Mapping[str, Any]]) -> Evidence:
+    """Whether the rows' dense model and question count allow a verdict (`verdict_evidence`)."""
+    dense = next(r for r in rows if r["method"] == "dense")
+    chance = chance_accuracy(dense["accuracy_by_type"])
+    return verdict_evidence(dense["accuracy"], int(dense.get("samples", 0)), chance)
+
+
 def verdicts(rows: Sequence[Mapping[str, Any]], goals: Mapping[float, float] | None = None) -> list[str]:
     """The goals checked on the rows: at each compute point, the best of ours (MoD alone or
     stacked on pre-LLM reduction) against dense and every other method; at each of `goals`
@@ -364,6 +372,14 @@ def verdicts(rows: Sequence[Mapping[str, Any]], goals: Mapping[float, float] | N
     (and of the control, where the run has one)."""
     goals = FRONTIER_GOALS if goals is None else goals
     dense = next(r for r in rows if r["method"] == "dense")
+    evidence = rows_evidence(rows)
+    control = next((r for r in rows if r["method"] == "dense-control"), None)
+    # The control's gap is a figure, not a verdict: said either way.
+    control_line = [] if control is None else [
+        f"control, the dense model fine-tuned again as the MoD stage (unconverted): "
+        f"{100 * control['accuracy']:.1f}% ({_gap_text(control, dense)})"]
+    if not evidence.enough:  # a toy run: no "met", no "best of all methods" (vlmod.evaluation.evidence)
+        return [evidence.line(), *control_line]
     lines = []
     targets = sorted({r["target"] for r in rows if r["target"] is not None})
     for t in targets:
@@ -381,11 +397,7 @@ def verdicts(rows: Sequence[Mapping[str, Any]], goals: Mapping[float, float] | N
             f"/{t:g} ({mod['language_reduction']:.2f}x fewer LM FLOPs measured): {name} {100 * mod['accuracy']:.1f}% "
             f"({_gap_text(mod, dense)}){also}: {best}"
         )
-    control = next((r for r in rows if r["method"] == "dense-control"), None)
-    if control is not None:
-        # The MoD model trained longer than dense did: the control says what that alone gave.
-        lines.append(f"control, the dense model fine-tuned again as the MoD stage (unconverted): "
-                     f"{100 * control['accuracy']:.1f}% ({_gap_text(control, dense)})")
+    lines += control_line  # the MoD model trained longer than dense did: the control says what that alone gave
     for goal, points in sorted(goals.items()):
         line = (f"goal ({goal:g}x fewer LM prefill FLOPs within {points:g} point{'s' * (points != 1)} of dense "
                 f"{100 * dense['accuracy']:.1f}%): {_goal_verdict(rows, dense, goal, points)}")
@@ -464,5 +476,5 @@ __all__ = [
     "FRONTIER_GOALS", "MIN_FRACTION", "METHOD_LABELS", "REACH_TOLERANCE", "TokenCounts", "curve_label", "format_frontier",
     "max_reduction",
     "mod_language_flops", "out_of_reach", "paired_gap", "plot_frontier", "reaches", "reduce_language_flops", "row", "solve_capacity",
-    "solve_frames", "solve_keep", "solve_stacked", "stacked_language_flops", "verdicts",
+    "rows_evidence", "solve_frames", "solve_keep", "solve_stacked", "stacked_language_flops", "verdicts",
 ]

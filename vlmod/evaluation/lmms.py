@@ -41,8 +41,10 @@ from vlmod.plugins import llava as llava_plugin
 from vlmod.tools.cache import generate_cache
 
 MODEL_ID = "vlmod"
-MODEL_ARGS = ("pretrained", "capacity", "router", "device", "dtype", "batch_size", "max_frames", "max_new_tokens",
-              "compile", "max_batch_size")
+MODEL_ARGS = ("pretrained", "capacity", "router", "device", "dtype", "max_frames", "max_new_tokens", "compile")
+# What lmms-eval passes beside `--model_args` from its own flags (`--batch_size` always, default 1):
+# the same key in `--model_args` is refused (`VLMod.create_from_arg_string`).
+RUN_FLAGS = {"batch_size": "--batch_size", "max_batch_size": "--max_batch_size", "device": "--device"}
 _VISION = (int(TokenType.IMAGE), int(TokenType.VIDEO))
 
 
@@ -126,7 +128,7 @@ def check_model_args(
     """Every `model_args` value checked before anything loads, each bad one a `ModelArgsError`
     (printed as one line); returns (capacity, max_frames, max_new_tokens) as numbers."""
     if unknown:
-        raise _refuse(f"unknown {', '.join(sorted(unknown))}; accepted: {', '.join(MODEL_ARGS[:-1])}")
+        raise _refuse(f"unknown {', '.join(sorted(unknown))}; accepted: {', '.join(MODEL_ARGS)}")
     if not pretrained:
         raise _refuse("pretrained=DIR is required (a vlmod or Hugging Face checkpoint folder, or a hub id)")
     from vlmod.io.paths import check_model_arg
@@ -182,6 +184,22 @@ def _check_converted(pretrained: Any, given: list[str]) -> None:
 
 class VLMod(lmms):
     """A vlmod checkpoint for lmms-eval; see the module doc."""
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict[str, Any] | None = None) -> VLMod:
+        """lmms-eval's constructor from `--model_args`. `batch_size=` there is refused in one line
+        naming `--batch_size`: lmms-eval always passes its own (default 1) beside the model args,
+        and Python raised "got multiple values for keyword argument" (a traceback, exit 0). So is a
+        `device=` given beside `--device` (lmms-eval passes that one only when it is set)."""
+        from lmms_eval import utils
+
+        args = utils.simple_parse_args_string(arg_string or "")
+        extra = {k: v for k, v in (additional_config or {}).items() if v is not None}
+        for key, flag in RUN_FLAGS.items():
+            if key in args and (key != "device" or key in extra):
+                what = "the batch size" if "batch" in key else "the device"
+                raise _refuse(f"{key}={args[key]}: give {what} as lmms-eval's {flag} (not in --model_args)")
+        return cls(**args, **extra)
 
     def __init__(
         self,

@@ -145,7 +145,9 @@ def read_yaml_mapping(path: str | Path, error: type[Exception]) -> dict[str, Any
 
     p = Path(path).expanduser()
     if not p.is_file():
-        raise error(f"config file {path} does not exist")
+        from vlmod.io.paths import not_found
+
+        raise error(f"config file {path} {not_found(p)}")
     try:
         text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:

@@ -15,6 +15,7 @@ here: the command line checks its model flags before any work (`vlmod.cli`), and
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import socket
@@ -31,6 +32,30 @@ PROBE_TIMEOUT_S = 3.0
 _PROBE_TTL_S = 30.0
 _TRUE = {"1", "on", "yes", "true"}
 _probes: dict[str, tuple[float, bool]] = {}
+
+
+def symlink_loop(path: str | os.PathLike[str]) -> bool:
+    """Whether `path` (or a folder on the way to it) is a symbolic link that leads back to itself:
+    `exists()` says False for one, so without this a loop reads as "does not exist"."""
+    try:
+        os.stat(Path(path).expanduser())
+    except OSError as e:
+        return e.errno == errno.ELOOP
+    return False
+
+
+LOOP = "is a symlink loop (a link that leads back to itself); point it at a real path"
+
+
+def not_found(path: str | os.PathLike[str]) -> str:
+    """Why an input `path` cannot be read, to follow it in a message: a symlink loop says so."""
+    return LOOP if symlink_loop(path) else "does not exist"
+
+
+def _check_not_loop(path: Path, flag: str, error: type[Exception]) -> None:
+    if symlink_loop(path):  # else `resolve()` below raises RuntimeError: a traceback
+        raise error(f"{flag} {path} is a symlink loop (a link that leads back to itself); remove it or choose "
+                    "another path")
 
 
 def _existing_ancestor(path: Path) -> Path:
@@ -81,6 +106,7 @@ def check_output_file(
     """A file the command will write (a JSON report): not a folder, creatable, writable, and not
     an input. Returns it as a Path; raises `error` with a one-line reason."""
     p = Path(path).expanduser()
+    _check_not_loop(p, flag, error)
     if p.is_dir():
         raise error(f"{flag} {path} is a folder; give a file name (e.g. {p / 'report.json'})")
     if p.exists():
@@ -103,6 +129,7 @@ def check_output_dir(
     input nor inside one; `replaces` (the command may delete what the folder holds, as --overwrite
     does): not around one either. Returns it as a Path; raises `error` with a one-line reason."""
     p = Path(path).expanduser()
+    _check_not_loop(p, flag, error)
     if p.exists() and not p.is_dir():
         raise error(f"{flag} {path} is a file; give a folder")
     if p.is_dir():
@@ -243,6 +270,8 @@ def check_hub_id(name: str, flag: str | None = None, error: type[Exception] = In
 def check_model_arg(arg: str | os.PathLike[str] | None, flag: str, error: type[Exception] = InputError) -> None:
     """What a command does first with a model flag: a hub id must be loadable now (`check_hub_id`);
     a local path is left to the command's own checks."""
+    if arg is not None and symlink_loop(arg):
+        raise error(f"{flag} {arg} {LOOP}")
     if arg is not None and looks_like_hub_id(arg):
         check_hub_id(str(arg), flag, error)
 
@@ -251,6 +280,8 @@ def resolve_checkpoint(arg: str | os.PathLike[str], flag: str) -> Path | str:
     """A local checkpoint directory (Path) or a hub id (str) that can be loaded now; InputError
     naming `flag` (e.g. "--dense") otherwise, within a few seconds when the hub is unreachable."""
     local = Path(arg).expanduser()
+    if symlink_loop(local):
+        raise InputError(f"{flag} {arg} {LOOP}")
     if local.exists():
         if not (local / "config.json").is_file():
             raise InputError(f"{flag} {arg}: not a model directory (no config.json)")
@@ -263,5 +294,6 @@ def resolve_checkpoint(arg: str | os.PathLike[str], flag: str) -> Path | str:
 
 __all__ = [
     "check_hub_id", "check_model_arg", "check_new_dir", "check_not_among", "check_output_dir", "check_output_file",
-    "hub_offline", "hub_reachable", "in_hub_cache", "is_repo_id", "looks_like_hub_id", "resolve_checkpoint",
+    "hub_offline", "hub_reachable", "in_hub_cache", "is_repo_id", "looks_like_hub_id", "not_found",
+    "resolve_checkpoint", "symlink_loop",
 ]

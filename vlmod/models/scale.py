@@ -58,7 +58,45 @@ def config_and_processor(shape: str, layers: int = 32) -> tuple[Any, Any]:
 
     if shape not in SHAPES:
         raise InputError(f"unknown shape {shape!r}; choose one of {', '.join(SHAPES)}")
+    config = _config(shape, layers)
     tok = _tokenizer(shape)
+    size, crop = {"shortest_edge": 336}, {"height": 336, "width": 336}
+    clip_norm = dict(image_mean=[0.48145466, 0.4578275, 0.40821073], image_std=[0.26862954, 0.26130258, 0.27577711])
+    tokens = dict(patch_size=14, vision_feature_select_strategy="default", num_additional_image_tokens=1)
+    if shape == "llava-1.5-7b":
+        image_proc = tf.CLIPImageProcessor(size=size, crop_size=crop, **clip_norm)
+        processor = tf.LlavaProcessor(image_processor=image_proc, tokenizer=tok, chat_template=tok.chat_template, **tokens)
+    else:
+        image_proc = tf.LlavaNextImageProcessor(size=size, crop_size=crop, image_grid_pinpoints=GRID, **clip_norm)
+        video_proc = tf.LlavaNextVideoVideoProcessor(size=size, crop_size=crop, **clip_norm)
+        processor = tf.LlavaNextVideoProcessor(
+            image_processor=image_proc, video_processor=video_proc, tokenizer=tok, chat_template=tok.chat_template,
+            **tokens,
+        )
+    return config, processor
+
+
+def checkpoint_bytes(shape: str, layers: int = 32, dtype: torch.dtype = torch.bfloat16) -> int:
+    """The weights' bytes of a `shape` checkpoint with `layers` language layers, from models of
+    one and two layers built on the meta device (seconds, no memory: a 1000-layer model is not
+    built to be measured); the safetensors files are this plus their small headers."""
+    from transformers import AutoModelForImageTextToText
+
+    sizes = []
+    for n in (1, 2):
+        config = _config(shape, n)
+        with torch.device("meta"):
+            model = AutoModelForImageTextToText.from_config(config, dtype=dtype)
+        sizes.append(sum(p.numel() * p.element_size() for p in model.parameters()))
+    return sizes[0] + (layers - 1) * (sizes[1] - sizes[0])
+
+
+def _config(shape: str, layers: int) -> Any:
+    """The model config of `shape` with `layers` language layers (no tokenizer or processor)."""
+    import transformers as tf
+
+    if shape not in SHAPES:
+        raise InputError(f"unknown shape {shape!r}; choose one of {', '.join(SHAPES)}")
     text = tf.LlamaConfig(
         vocab_size=VOCAB, hidden_size=4096, intermediate_size=11008, num_hidden_layers=layers,
         num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096, rms_norm_eps=1e-5,
@@ -72,28 +110,17 @@ def config_and_processor(shape: str, layers: int = 32) -> tuple[Any, Any]:
         vision_config=vision, text_config=text, vision_feature_layer=-2, vision_feature_select_strategy="default",
         image_token_index=TOKEN_IDS[shape]["<image>"], projector_hidden_act="gelu",
     )
-    size, crop = {"shortest_edge": 336}, {"height": 336, "width": 336}
-    clip_norm = dict(image_mean=[0.48145466, 0.4578275, 0.40821073], image_std=[0.26862954, 0.26130258, 0.27577711])
-    tokens = dict(patch_size=14, vision_feature_select_strategy="default", num_additional_image_tokens=1)
     if shape == "llava-1.5-7b":
         config = tf.LlavaConfig(**common)
-        image_proc = tf.CLIPImageProcessor(size=size, crop_size=crop, **clip_norm)
-        processor = tf.LlavaProcessor(image_processor=image_proc, tokenizer=tok, chat_template=tok.chat_template, **tokens)
         config.architectures = ["LlavaForConditionalGeneration"]
     else:
         config = tf.LlavaNextVideoConfig(
             **common, image_grid_pinpoints=GRID, video_token_index=TOKEN_IDS[shape]["<video>"],
             spatial_pool_stride=2, spatial_pool_mode="average",
         )
-        image_proc = tf.LlavaNextImageProcessor(size=size, crop_size=crop, image_grid_pinpoints=GRID, **clip_norm)
-        video_proc = tf.LlavaNextVideoVideoProcessor(size=size, crop_size=crop, **clip_norm)
-        processor = tf.LlavaNextVideoProcessor(
-            image_processor=image_proc, video_processor=video_proc, tokenizer=tok, chat_template=tok.chat_template,
-            **tokens,
-        )
         config.architectures = ["LlavaNextVideoForConditionalGeneration"]
     config.dtype = torch.bfloat16
-    return config, processor
+    return config
 
 
 def build_model(
@@ -139,4 +166,4 @@ def build_checkpoint(
     return Path(out)
 
 
-__all__ = ["SHAPES", "build_checkpoint", "build_model", "config_and_processor"]
+__all__ = ["SHAPES", "build_checkpoint", "build_model", "checkpoint_bytes", "config_and_processor"]

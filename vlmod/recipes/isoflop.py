@@ -19,22 +19,20 @@ measured tokens per sample for the plan (`vlmod.recipes.cost`), and each run's o
 
 from __future__ import annotations
 
-import platform
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from vlmod.errors import InputError
 from vlmod.evaluation import frontier
+from vlmod.evaluation.evidence import chance_accuracy, verdict_evidence
 from vlmod.io.files import write_json, write_text
 from vlmod.io.hf import load_pretrained
 from vlmod.recipes.cost import Routing, run_cost, sample_flops, sample_shape
 from vlmod.recipes.recipe import _Recipe, token_counts
 from vlmod.recipes.reuse import DENSE_RUN, recipe_folder
-from vlmod.recipes.settings import RecipeSettings
+from vlmod.recipes.settings import RecipeSettings, format_machine, machine
 
 PAPER_CAPACITY = 0.125  # the MoD paper's best isoFLOP setting: 12.5% capacity, every other block
 
@@ -116,7 +114,7 @@ def _run_isoflop(recipe: _Recipe, reuse_dense: bool) -> dict[str, Any]:
         rows.append({**{k: m[k] for k in ("name", "setting", "layers", "capacity")}, "planned_flops": per_step * steps,
                      "planned_step_flops": per_step, **_measured(cost, seconds), **_evaluated(row, dense_row)})
     result = {"settings": s.to_dict(), "rows": rows, "stage_seconds": recipe.result.stages,
-              "machine": {"platform": platform.platform(), "threads": torch.get_num_threads()}}
+              "machine": machine()}
     write_json(recipe.out / "isoflop.json", result, strict=True)
     table = format_isoflop(result)
     write_text(recipe.out / "isoflop.md", table + "\n")
@@ -157,8 +155,11 @@ def format_isoflop(result: dict[str, Any]) -> str:
                   "converted at step 0 and run for the dense run's training FLOPs (planned at its tokens per sample, "
                   "within half a step; the TFLOPs column counts each run's own trained tokens)",
               "- step and wall times on the host clock: a busy machine slows every run, so compare them within one "
-              "run only"]
-    for r in rows[1:]:
+              "run only", format_machine(result.get("machine") or {})]
+    evidence = verdict_evidence(dense["accuracy"], int(dense["samples"]), chance_accuracy(dense["accuracy_by_type"]))
+    if not evidence.enough:  # a toy run: the table, no "beats dense" (vlmod.evaluation.evidence)
+        lines.append(f"- {evidence.line()}")
+    for r in rows[1:] if evidence.enough else ():
         gap = r["gap_points"]
         verdict = ("no paired gap (too few questions)" if gap is None else "matches dense within its interval"
                    if gap[1] <= 0 <= gap[2] else "beats dense" if gap[1] > 0 else "falls short of dense")

@@ -114,4 +114,26 @@ def reachable(point: dict[str, Any], method: str) -> bool:
     return method not in point["out_of_reach"]
 
 
-__all__ = ["REDUCTION_METHODS", "ceilings", "reachable", "reduction_methods", "solve_points", "stack_training_points"]
+def describe_points(points: Sequence[dict[str, Any]]) -> list[str]:
+    """One readable line per compute point, each method's knob (what the recipe's log shows; the
+    whole record is in results.json): "/3: MoD capacity 0.242, attention router 0.180, ..."."""
+    def knob(value: float | None) -> str:
+        return "-" if value is None else f"{value:.3f}"
+
+    lines = []
+    for p in points:
+        parts = [f"MoD capacity {knob(p['capacity'])}", f"attention router {knob(p['attention_capacity'])}",
+                 f"reduction keeps {knob(p['keep'])}"]
+        if p.get("stack_keep") is not None:
+            parts.append(f"stacked keeps {knob(p['stack_keep'])} then capacity {knob(p.get('stack_capacity'))}")
+        if "frames" in p:
+            parts.append(f"frames {'-' if p['frames'] is None else p['frames']}")
+        line = f"/{p['target']:g}: " + ", ".join(parts)
+        if p["out_of_reach"]:
+            line += f"; out of reach: {', '.join(p['out_of_reach'])}"
+        lines.append(line)
+    return lines
+
+
+__all__ = ["REDUCTION_METHODS", "ceilings", "describe_points", "reachable", "reduction_methods", "solve_points",
+           "stack_training_points"]

@@ -12,14 +12,14 @@ from __future__ import annotations
 import errno
 import json
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 from vlmod.errors import InputError
 from vlmod.io.files import sole_writer
-from vlmod.io.owned import Ledger, entries, made_by
+from vlmod.io.owned import MARKER, Ledger, entries, made_by
 
 CONTROL_STAGES = ("train dense control", "eval dense control")  # opt-in: left out of the recipe's own time
 # The settings the first dense model depends on, and (`refine_steps` > 0) the refined one too.
@@ -60,29 +60,62 @@ def check_recipe_out(out: Path, reuse_dense: bool = False, overwrite: bool = Fal
         shown = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
         raise InputError(f"--out {out} holds files the recipe did not make ({shown}); choose a new or empty folder "
                          "for --out")
+    if not (reuse_dense or overwrite) and not dense_finished(out):
+        raise InputError(f"--out {out} holds an earlier recipe run that stopped before its dense model was finished "
+                         "(nothing to keep with --reuse-dense); pass --overwrite to train everything again there, or "
+                         "choose another --out")
     if not (reuse_dense or overwrite):
         raise InputError(f"--out {out} holds an earlier recipe run; pass --reuse-dense to keep its dense model (same "
                          "settings), --overwrite to train everything again there, or choose another --out")
 
 
+def dense_finished(out: Path) -> bool:
+    """Whether `out` holds a finished dense stage (its model and record), what --reuse-dense keeps."""
+    return (out / DENSE_RUN / "model" / "model.safetensors").is_file() and (out / DENSE_RUN / "recipe.json").is_file()
+
+
+def run_again(out: Path) -> str:
+    """How to go on in `out` after a run stopped (Ctrl-C, a full disk): with --reuse-dense when its
+    dense stage finished, so the rerun keeps that model instead of training it again."""
+    if dense_finished(out):
+        return "run again with --reuse-dense to keep its finished dense model (or --overwrite to train it again)"
+    return "run again with --overwrite (its dense stage had not finished)" if entries(out) else "run again"
+
+
 @contextmanager
 def recipe_folder(out: str | Path, reuse_dense: bool = False, overwrite: bool = False) -> Iterator[Path]:
     """`out`, checked (`check_recipe_out`) before anything is created, then held against a second
-    recipe on it (`sole_writer`), created and marked as a recipe's while the body runs."""
+    recipe on it (`sole_writer`), created and marked as a recipe's while the body runs. A run that
+    stops (a refusal, Ctrl-C) before any stage wrote there leaves no folder (nor marker) behind."""
     from vlmod.io.paths import check_output_dir
 
     folder = check_output_dir(out, "--out")
     check_recipe_out(folder, reuse_dense, overwrite)
+    new = [p for p in (folder, *folder.parents) if not p.exists()]  # what this run creates, innermost first
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise InputError(f"cannot write to {folder.parent}: {err.strerror or err}") from None
-    with sole_writer(folder, InputError, "--out"), full_disk(folder):
-        check_recipe_out(folder, reuse_dense, overwrite)  # again, locked: another run may have started in between
-        folder.mkdir(exist_ok=True)
-        if made_by(folder) != RECIPE:
-            Ledger(folder, RECIPE).save()
-        yield folder
+    locked = False
+    try:
+        with sole_writer(folder, InputError, "--out"), full_disk(folder):
+            locked = True
+            check_recipe_out(folder, reuse_dense, overwrite)  # again, locked: another run may have started in between
+            folder.mkdir(exist_ok=True)
+            marked = made_by(folder) != RECIPE
+            if marked:
+                Ledger(folder, RECIPE).save()
+            try:
+                yield folder
+            except BaseException:
+                if marked and not entries(folder):  # nothing written but the marker: take it back
+                    (folder / MARKER).unlink(missing_ok=True)
+                raise
+    except BaseException:
+        for made in new if locked else ():  # the folders this run created, if still empty (rmdir refuses others)
+            with suppress(OSError):
+                made.rmdir()
+        raise
 
 
 # What a write raises when the disk (or the user's quota) is full, or the file system went read-only.
@@ -103,10 +136,8 @@ def full_disk(folder: Path) -> Iterator[None]:
         if isinstance(e, OSError) and e.errno not in FULL_DISK:
             raise  # not a write that ran out of room: a bug, with its traceback
         reason = getattr(e, "strerror", None) or (str(e).splitlines() or [type(e).__name__])[0]
-        then = ("run again with --reuse-dense (if its dense stage finished) or --overwrite" if entries(folder)
-                else "run again")
         raise InputError(f"could not write under --out {folder}: {reason}; nothing was left half-written: free space "
-                         f"or choose another --out, then {then}") from None
+                         f"or choose another --out, then {run_again(folder)}") from None
 
 
 def changed_settings(saved: dict[str, Any], now: Any, keys: Any) -> list[str]:
@@ -156,7 +187,8 @@ def reusable_dense(out: Path, s: Any) -> dict[str, float]:
     settings; its record (and the image stage's log, which it started from) checked."""
     before = _finished(out, DENSE_RUN)
     if before is None:
-        raise InputError(f"--reuse-dense: {out} holds no finished dense stage (dense/model and dense/recipe.json)")
+        raise InputError(f"--reuse-dense: {out} holds no finished dense stage (dense/model and dense/recipe.json); "
+                         "pass --overwrite instead to train it again there")
     changed = changed_settings(before["settings"], s, DENSE_SETTINGS)
     if changed:
         raise InputError(f"--reuse-dense: the dense model in {out} was trained with other {', '.join(changed)}")
@@ -195,13 +227,15 @@ def _run_of(path: str | None) -> str | None:
 def reusable_finetune(out: Path, cfg: Any) -> tuple[Path, float]:
     """(model, training seconds) of an earlier run's fine-tune into `cfg.output_dir`, if it was
     trained with these settings (`--reuse-trained`): the recipe then only evaluates again. A stage
-    the earlier results do not time (trained by its config YAML, or added to the recipe since)
-    counts its steps' time from its log."""
+    the earlier results do not time (trained by its config YAML, added to the recipe since, or a
+    run stopped before it wrote results.json, during its evaluations) counts its steps' time from
+    its log. Its model and log are written last, renamed into place, so both there means it finished."""
     run = Path(cfg.output_dir)
     log, results = run / "train_log.json", out / "results.json"
-    if not (run / "model" / "model.safetensors").is_file() or not log.is_file() or not results.is_file():
-        raise InputError(f"--reuse-trained: {out} holds no finished {run.name} stage and results.json; "
-                         "run the recipe without it once")
+    missing = [str(p.relative_to(out)) for p in (run / "model" / "model.safetensors", log) if not p.is_file()]
+    if missing:
+        raise InputError(f"--reuse-trained: {out} holds no finished {run.name} stage (no {' or '.join(missing)}); "
+                         "drop --reuse-trained to train it again")
     saved = read_record(log, REUSE_TRAINED, ("config",))["config"]
     changed = changed_settings(saved, cfg, [f.name for f in fields(cfg) if f.name not in _RUN_PATHS])
     # Paths follow --out (the folder may have moved), but which run they name must not change:
@@ -210,7 +244,8 @@ def reusable_finetune(out: Path, cfg: Any) -> tuple[Path, float]:
     if changed:
         raise InputError(f"--reuse-trained: the {run.name} stage in {out} was trained with other {', '.join(changed)}")
     stage = {r: st for st, r in TRAINING_RUNS.items()}[run.name]
-    seconds = read_record(results, REUSE_TRAINED, ("stage_seconds",))["stage_seconds"].get(stage)
+    seconds = (read_record(results, REUSE_TRAINED, ("stage_seconds",))["stage_seconds"].get(stage)
+               if results.is_file() else None)
     if seconds is None:  # trained with these settings outside the recipe (its config YAML): its steps' time
         seconds = sum(read_record(log, REUSE_TRAINED, ("config",)).get("cost", {}).get("step_seconds", []))
     return run / "model", seconds
@@ -218,5 +253,5 @@ def reusable_finetune(out: Path, cfg: Any) -> tuple[Path, float]:
 
 __all__ = ["CONTROL_STAGES", "DENSE_RUN", "DENSE_SETTINGS", "FULL_DISK", "RECIPE", "REFINED_RUN", "REFINE_SETTINGS",
            "REUSE_DENSE", "REUSE_TRAINED", "TRAINING_RUNS", "changed_settings", "check_recipe_out",
-           "dense_model_dir", "full_disk", "made_by_recipe", "read_record", "recipe_folder", "reusable_dense",
-           "reusable_finetune", "reusable_refined"]
+           "dense_finished", "dense_model_dir", "full_disk", "made_by_recipe", "read_record", "recipe_folder",
+           "reusable_dense", "reusable_finetune", "reusable_refined", "run_again"]

@@ -13,12 +13,19 @@ The run folder (`WORKDIR/SHAPE-LAYERS`) lists what scale-check made there in its
 (a fine-tune's folder, `converted/`, a report) would land on something it did not make is refused
 before any stage starts. A checkpoint or data set that is already there is only read. One
 scale-check writes a run folder at a time.
+
+Before anything is built, a run that cannot fit the machine (the checkpoint's bytes, memory,
+disk: `vlmod.recipes.scale_needs`) is refused in one line. A Ctrl-C or SIGTERM stops the running
+stage and everything it started (`stop_stage`), and removes what a stage killed mid-save left,
+before the command says it was interrupted.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -32,6 +39,8 @@ from typing import Any
 from vlmod.errors import InputError
 from vlmod.io.files import sole_writer, write_json, write_text
 from vlmod.io.owned import Ledger
+from vlmod.io.signals import handling, sigterm_as_interrupt
+from vlmod.recipes.scale_needs import MIN_LAYERS, check_machine
 
 STAGES = ("build", "convert", "load", "rank", "eval", "lmms", "demo", "finetune-router", "finetune-lora",
           "finetune-full", "bench")
@@ -79,47 +88,123 @@ def _vlmod(*args: str) -> list[str]:
 
 # Linux counts a child's peak RSS from the memory its parent had when it forked, so a stage is
 # started by this small launcher (a bare Python of a few MB), which reports the stage's own peak.
+# The launcher is the leader of the stage's own process group and ignores SIGINT and SIGTERM
+# itself: a signal sent to the group reaches the stage and everything it started, and the launcher
+# still writes the report once the stage has gone.
 _LAUNCHER = """
 import json, os, signal, sys
 out, argv = sys.argv[1], sys.argv[2:]
+for s in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(s, signal.SIG_IGN)
 pid = os.fork()
 if pid == 0:
     try:
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, signal.SIG_DFL)
         os.execvp(argv[0], argv)
     finally:
         os._exit(127)
-signal.signal(signal.SIGTERM, lambda *_: os.kill(pid, signal.SIGTERM))
 _, status, usage = os.wait4(pid, 0)
 scale = 1 if sys.platform == "darwin" else 1024
 with open(out, "w") as f:
     json.dump({"peak_rss": usage.ru_maxrss * scale, "returncode": os.waitstatus_to_exitcode(status)}, f)
 """
+# How long a stage has to end after each signal of `stop_stage` before the next, stronger one.
+STOP_WAIT_S = 5.0
 
 
 def run_measured(argv: list[str], log: Path, env: dict[str, str] | None = None,
                  while_running: Callable[[subprocess.Popen], str] | None = None) -> tuple[float, int, int, str]:
     """Run `argv` to its end (or, with `while_running`, until that returns and stops it): wall
-    seconds, its peak RSS in bytes, its return code, and the note `while_running` returned."""
+    seconds, its peak RSS in bytes, its return code, and the note `while_running` returned. An
+    exception here (Ctrl-C, SIGTERM: `sigterm_as_interrupt`) stops the stage and all it started
+    (`stop_stage`) before it goes on up: nothing of the stage outlives the command."""
     report = log.with_suffix(".peak.json")
     report.unlink(missing_ok=True)
     start = time.perf_counter()
     with log.open("w") as out:
         proc = subprocess.Popen([sys.executable, "-S", "-c", _LAUNCHER, str(report), *argv], stdout=out,
-                                stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL)
+                                stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
         note = ""
         try:
             if while_running is not None:
                 note = while_running(proc)
-                proc.terminate()
-        except BaseException:
-            proc.terminate()
-            raise
-        finally:
+                stop_stage(proc, (signal.SIGTERM, signal.SIGKILL))
             proc.wait()
+        except BaseException:
+            stop_stage(proc)
+            report.unlink(missing_ok=True)
+            raise
     seconds = time.perf_counter() - start
-    measured = json.loads(report.read_text())
-    report.unlink()
+    try:
+        measured = json.loads(report.read_text())
+    except (OSError, ValueError):  # the launcher was killed with its stage (`stop_stage`'s SIGKILL)
+        measured = {"peak_rss": 0, "returncode": proc.returncode}
+    report.unlink(missing_ok=True)
     return seconds, measured["peak_rss"], measured["returncode"], note
+
+
+def stop_stage(proc: subprocess.Popen, signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM, signal.SIGKILL),
+               wait: float | None = None) -> None:
+    """Stop the stage `proc` launched and every process it started (its process group): each of
+    `signals` in turn, `wait` seconds (STOP_WAIT_S) apart, until the group is gone. SIGINT first:
+    a vlmod command then stops as on Ctrl-C and removes its temp files (convert's `.NAME.tmp-*`).
+    Further Ctrl-C / SIGTERM while it stops are ignored: stopping is bounded by the waits."""
+    wait = STOP_WAIT_S if wait is None else wait
+    with _signals_ignored():
+        for sig in signals:
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            except PermissionError:  # the group's leader is gone and its id taken by another's
+                break
+            if _group_gone(proc, wait):
+                break
+        try:
+            proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:  # the launcher outlived SIGKILL (uninterruptible I/O)
+            pass
+
+
+def _group_gone(proc: subprocess.Popen, wait: float) -> bool:
+    """Whether the launcher has exited and no process is left in its group, polled for `wait` s
+    (an orphan no one reaps stays as a zombie: it holds nothing, and counts as gone)."""
+    deadline = time.monotonic() + wait
+    while True:
+        proc.poll()
+        if proc.returncode is not None and not _group_members(proc.pid):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+
+
+def _group_members(pgid: int) -> list[int]:
+    """The live (not zombie) processes of group `pgid`, from /proc; where there is no /proc, any
+    process the kernel still finds in it."""
+    proc_dir = Path("/proc")
+    if not proc_dir.is_dir():
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return []
+        return [pgid]
+    members = []
+    for entry in proc_dir.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 2 and fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(entry.name))
+    return members
+
+
+def _signals_ignored() -> contextlib.AbstractContextManager[None]:
+    return handling(signal.SIG_IGN)
 
 
 def _free_port() -> int:
@@ -197,19 +282,28 @@ def scale_check(
 
     if shape not in SHAPES:
         raise InputError(f"unknown shape {shape!r}; choose one of {', '.join(SHAPES)}")
+    if not stages:  # `--stages ,` would run nothing and report a table it never wrote
+        raise InputError(f"--stages names no stage; give one or more of {', '.join(STAGES)}")
     unknown = set(stages) - set(STAGES)
     if unknown:
         raise InputError(f"unknown stage(s) {sorted(unknown)}; choose from {', '.join(STAGES)}")
+    if not str(workdir).strip():  # Path("") is the current folder: not what an empty value means
+        raise InputError("--workdir is empty: name the folder for the checkpoints, data and table "
+                         "(default: scale-check)")
+    if layers < MIN_LAYERS:
+        raise InputError(f"--layers must be at least {MIN_LAYERS}, got {layers}: convert makes every other "
+                         "layer MoD, the first one dense, so one layer leaves nothing to convert")
     root = Path(workdir).expanduser() / f"{shape}-{layers}"
     from vlmod.io.paths import check_output_dir
 
     check_output_dir(root, "--workdir")
     _check_owned(root, stages)  # before anything is created
+    check_machine(shape, root, layers, stages, keep)  # the checkpoint's size, memory, disk: before building
     try:
         root.parent.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise InputError(f"cannot write to {root.parent}: {err.strerror or err}") from None
-    with sole_writer(root, InputError, "--workdir"):
+    with sole_writer(root, InputError, "--workdir"), sigterm_as_interrupt():
         ledger = _check_owned(root, stages)  # again, locked: another run may have started in between
         root.mkdir(exist_ok=True)
         return _scale_check(shape, root, ledger, layers, stages, keep, progress)
@@ -295,7 +389,11 @@ def _scale_check(shape: str, root: Path, ledger: Ledger, layers: int, stages: tu
         for name in OUTPUTS.get(stage, ()):
             ledger.claim(name)  # absent or made by scale-check (`_check_owned`): this stage may write it
         started = time.time()
-        seconds, peak, rc, note = run_measured(argv, logs / f"{stage}.log", env, during)
+        try:
+            seconds, peak, rc, note = run_measured(argv, logs / f"{stage}.log", env, during)
+        except BaseException:  # stopped (Ctrl-C, SIGTERM): what a stage killed mid-save left is removed
+            _remove_leftovers(root, stage)
+            raise
         if stage == "demo" and rc in (-15, 143):  # stopped by us after its request: that is success
             rc = 0
         if stage == "lmms" and rc == 0 and not _written_since(root / "lmms", "*_results.json", started):
@@ -312,6 +410,17 @@ def _scale_check(shape: str, root: Path, ledger: Ledger, layers: int, stages: tu
         if stage.startswith("finetune") and not keep:
             ledger.remove(f"ft-{stage.split('-')[1]}")  # made by scale-check (claimed above): nothing else is deleted
     return rows
+
+
+def _remove_leftovers(root: Path, stage: str) -> None:
+    """The temp folders `stage` writes before its rename into place (build: `checkpoint.tmp`,
+    convert: `.converted.tmp-*`), left when it had to be killed: only those stages write them."""
+    import shutil
+
+    leftovers = {"build": [root / "checkpoint.tmp"], "convert": list(root.glob(".converted.tmp-*"))}
+    for path in leftovers.get(stage, []):
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _written_since(folder: Path, pattern: str, since: float) -> bool:

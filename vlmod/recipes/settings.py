@@ -3,9 +3,11 @@ it gives back (`RecipeResult`)."""
 
 from __future__ import annotations
 
+import json
 import math
 import platform
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,6 +25,11 @@ VIDEO_POOLS = ("average", "max", "conv")
 # the whole check about 55 minutes; the recipe's 2,500 would take about 90.
 ISOFLOP_DENSE_STEPS = 1500
 DEFAULT_STACK_SHARE = 0.5
+# The CPU features that choose torch's, MKL's and oneDNN's kernels: another set sums floats in
+# another order, so the same seed trains another model (issue 62: the video recipe on another
+# machine of the same kind, dense 90.0% against this CPU's 94.5%).
+KERNEL_FLAGS = ("avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+                "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
 
 
 @dataclass
@@ -190,6 +197,9 @@ class RecipeSettings:
         if not 0 <= self.distractors <= MAX_DISTRACTORS:
             raise InputError(f"distractors is the number of extra shapes in an image scene, 0 to {MAX_DISTRACTORS}, got "
                              f"{self.distractors}")
+        if self.task == "video" and self.frames < 2:  # else the data stage's ValueError, as a traceback
+            raise InputError(f"frames is the frames of a clip, >= 2 for the video task's moving objects, got "
+                             f"{self.frames}")
         if self.video_pool not in VIDEO_POOLS:
             raise InputError(f"video_pool must be one of {', '.join(VIDEO_POOLS)}, got {self.video_pool!r}")
         self.targets = tuple(sorted(float(t) for t in self.targets))
@@ -215,6 +225,41 @@ class RecipeSettings:
         d = asdict(self)
         d["targets"], d["routers"] = list(self.targets), list(self.routers)
         return d
+
+
+# The recipe setting each size in an image model's config.json must equal (`check_image_model`).
+_IMAGE_MODEL_SIZES = (
+    ("text_config", "hidden_size", "width"), ("text_config", "num_hidden_layers", "layers"),
+    ("text_config", "num_attention_heads", "heads"), ("text_config", "num_key_value_heads", "kv_heads"),
+    ("vision_config", "hidden_size", "vision_width"), ("vision_config", "num_hidden_layers", "vision_layers"),
+    ("vision_config", "image_size", "image_size"), ("vision_config", "patch_size", "patch_size"),
+)
+
+
+def check_image_model(s: RecipeSettings) -> None:
+    """InputError, before any stage runs, when `s.image_model`'s config.json gives other sizes than
+    the recipe's: its weights are copied into the video model, so they must fit it (found by the
+    copy, it was refused only after the data stage had run)."""
+    if not s.image_model:
+        return
+    path = Path(s.image_model).expanduser() / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, RecursionError, ValueError) as e:
+        reason = getattr(e, "strerror", None) or str(e).splitlines()[0][:120]
+        raise InputError(f"--image-model {s.image_model}: cannot read its config.json ({reason})") from None
+    if not isinstance(config, dict):
+        raise InputError(f"--image-model {s.image_model}: its config.json is not a JSON object")
+    differ = []
+    for part, key, setting in _IMAGE_MODEL_SIZES:
+        sub = config.get(part)
+        got = sub.get(key) if isinstance(sub, dict) else None  # a size it does not give: the copy checks it
+        if got is not None and got != getattr(s, setting):
+            differ.append(f"{setting} {got} (this recipe: {getattr(s, setting)})")
+    if differ:
+        raise InputError(f"--image-model {s.image_model} has other sizes than this recipe's video model: "
+                         f"{', '.join(differ)}; give an image model of the same sizes (the image recipe's dense/model "
+                         "run with the same size flags and --quick or not), or leave --image-model out")
 
 
 @dataclass
@@ -244,8 +289,50 @@ class RecipeResult:
             "stage_seconds": self.stages,
             "training_stages": self.training,
             "total_seconds": sum(self.stages.values()),
-            "machine": {"platform": platform.platform(), "threads": torch.get_num_threads()},
+            "machine": machine(),
         }
+
+
+def _cpu() -> tuple[str, list[str]]:
+    """The CPU's model name and which of `KERNEL_FLAGS` it has (Linux's /proc/cpuinfo; elsewhere
+    the processor name and no flags)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return platform.processor(), []
+    info = dict(line.split(":", 1) for line in lines if ":" in line)  # the last CPU's, all alike
+    info = {k.strip(): v.strip() for k, v in info.items()}
+    have = set(info.get("flags", "").split())
+    name = info.get("model name", platform.processor())
+    if "cpu family" in info:  # a virtual machine may name only the vendor ("AMD EPYC")
+        name += f" (family {info['cpu family']}, model {info.get('model', '?')})"
+    return name, [f for f in KERNEL_FLAGS if f in have]
+
+
+def machine() -> dict[str, Any]:
+    """What the trained numbers depend on besides the settings: the library versions and the
+    kernels and threads the float sums run on (the same seed on another CPU trains another model)."""
+    import av
+    import numpy
+    import PIL
+    import transformers
+
+    cpu, flags = _cpu()
+    return {"platform": platform.platform(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "numpy": numpy.__version__, "pillow": PIL.__version__,
+            "av": av.__version__,  # the clips' encoder and scaler (RGB to YUV and back)
+            "cpu": cpu, "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_flags": flags,
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+
+
+def format_machine(m: dict[str, Any]) -> str:
+    """results.md's machine line, from `machine()` (a results.json of an older build lacks keys)."""
+    flags = " ".join(m.get("cpu_flags") or []) or "none listed"
+    return (f"- machine: torch {m.get('torch', '?')}, transformers {m.get('transformers', '?')}, numpy "
+            f"{m.get('numpy', '?')}, Pillow {m.get('pillow', '?')}, PyAV {m.get('av', '?')}; {m.get('cpu', '?')}, torch kernels "
+            f"{m.get('cpu_capability', '?')} (flags {flags}), {m.get('threads', '?')} threads"
+            + (f", {m['cuda']}" if m.get("cuda") else "") + f"; {m.get('platform', '?')}. The float sums follow "
+            "the kernels and threads: another CPU trains another model from the same seed")
 
 
 def _shares(name: str, share: float | dict[Any, Any]) -> float | dict[float, float]:
@@ -260,4 +347,5 @@ def _shares(name: str, share: float | dict[Any, Any]) -> float | dict[float, flo
     return shares
 
 
-__all__ = ["DEFAULT_STACK_SHARE", "ISOFLOP_DENSE_STEPS", "TASKS", "VIDEO_POOLS", "RecipeResult", "RecipeSettings"]
+__all__ = ["DEFAULT_STACK_SHARE", "ISOFLOP_DENSE_STEPS", "KERNEL_FLAGS", "TASKS", "VIDEO_POOLS", "RecipeResult",
+           "RecipeSettings", "check_image_model", "format_machine", "machine"]

@@ -281,10 +281,11 @@ def _save(model: Any, processor: Any, report: dict[str, Any], out: Path, max_sha
 
 
 def _check_shard_size(size: str | int) -> None:
-    """A size save_pretrained reads: bytes, or digits with KB, MB, GB or TB (5GB, 500MB)."""
-    if isinstance(size, int) and size > 0:
+    """A size > 0 save_pretrained reads: bytes, or digits with KB, MB, GB or TB (5GB, 500MB)."""
+    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
         return
-    if not re.fullmatch(r"\s*\d+(\.\d+)?\s*[KMGT]B\s*", str(size), flags=re.IGNORECASE):
+    match = re.fullmatch(r"\s*(\d+(\.\d+)?)\s*[KMGT]B\s*", str(size), flags=re.IGNORECASE)
+    if match is None or not float(match.group(1)) > 0:
         raise ConvertError(f"--max-shard-size must be a size such as 5GB or 500MB, got {size!r}")
 
 

@@ -140,6 +140,7 @@ class TrainConfig:
         positive = {
             "lr": self.lr, "batch_size": self.batch_size, "epochs": self.epochs,
             "gradient_accumulation_steps": self.gradient_accumulation_steps, "lora_r": self.lora_r,
+            "lora_alpha": self.lora_alpha, "num_frames": self.num_frames,
         }
         for key, value in positive.items():
             if not value > 0:
@@ -162,6 +163,13 @@ class TrainConfig:
             value = getattr(self, key)
             if isinstance(value, float) and not math.isfinite(value):
                 raise TrainError(f"{key} must be a finite number, got {value}")
+        # LoRA's settings here, not in peft's words after the model has loaded.
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise TrainError(f"lora_dropout is the share of LoRA inputs dropped in training, in [0, 1); got "
+                             f"{self.lora_dropout}")
+        if not self.lora_targets or not all(isinstance(t, str) and t for t in self.lora_targets):
+            raise TrainError(f"lora_targets must name one or more module names (e.g. {', '.join(LORA_TARGETS[:2])}); "
+                             f"got {brief(self.lora_targets)}")
         if self.max_grad_norm < 0:
             raise TrainError(f"max_grad_norm must be >= 0 (0: no clipping), got {self.max_grad_norm}")
         if self.overwrite and self.resume is not None:

@@ -39,12 +39,14 @@ from vlmod.training.checkpoints import RUN_FILE, clear_output_dir, latest_checkp
 from vlmod.training.config import TRAINABLE, TrainConfig
 from vlmod.training.loop import Steps, resume_position, run_steps
 from vlmod.training.setup import EpochSampler, Run, cast_trainable, prepare, set_trainable, sharded
+from vlmod.training.stability import describe_spikes, loss_spikes, warmup_steps
 
 
 @dataclass
 class TrainResult:
     """What a run did: optimizer steps, the last logged losses, where the model went, and what
-    its steps cost (`cost`, also in train_log.json)."""
+    its steps cost (`cost`, also in train_log.json). `start_step`: the checkpoint's step it resumed
+    from (0 for a fresh run), so `step - start_step` steps ran in this process."""
 
     step: int
     loss: float | None
@@ -55,6 +57,7 @@ class TrainResult:
     history: list[dict[str, float]] = field(default_factory=list)
     main_process: bool = True
     cost: dict[str, Any] = field(default_factory=dict)
+    start_step: int = 0
 
 
 def step_cost(steps: Steps) -> dict[str, Any]:
@@ -84,6 +87,9 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
     steps = run_steps(run, position, progress)
     cost = step_cost(steps)
     model_dir = finish(run, steps, cost)
+    spikes = loss_spikes(steps.history, warmup_steps(cfg, steps.step))
+    if spikes:
+        run.accelerator.print(describe_spikes(spikes, f"fine-tune {cfg.output_dir}"))
     last = steps.last
     return TrainResult(
         step=steps.step,
@@ -95,6 +101,7 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
         history=steps.history,
         main_process=run.accelerator.is_main_process,
         cost=cost,
+        start_step=position.step,
     )
 
 
@@ -128,7 +135,8 @@ def finish(run: Run, steps: Steps, cost: dict[str, Any]) -> Path:
     cfg, accelerator = run.cfg, run.accelerator
     if not sharded(accelerator):
         cast_trainable(accelerator.unwrap_model(run.model), run.frozen_dtype)  # saved in the checkpoint's dtype
-    out_dir = save_model(accelerator, run.model, run.processor, Path(cfg.output_dir) / "model")
+    cast = run.frozen_dtype if sharded(accelerator) else None  # shards: the gathered copy is cast instead
+    out_dir = save_model(accelerator, run.model, run.processor, Path(cfg.output_dir) / "model", dtype=cast)
     if accelerator.is_main_process:
         write_json(Path(cfg.output_dir) / "train_log.json", {"config": cfg.to_dict(), "history": steps.history,
                                                                    "cost": cost})

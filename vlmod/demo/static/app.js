@@ -181,6 +181,7 @@ async function loadHealth() {
     const res = await fetch("/api/health");
     const h = await res.json();
     state.limits = h.limits;
+    if (h.limits.max_prompt_chars) $("prompt").maxLength = h.limits.max_prompt_chars;  // the server's own limit
     const m = h.model;
     state.model = m;
     const mod = m.mod_layers.language || [];
@@ -390,6 +391,9 @@ function redraw() {
   renderLegend(grid);
   renderSeen(item, grid);
   updateFrameControls();
+  // The strip counts what the slider selects: token-layer passes over all MoD layers, or one layer's tokens.
+  $("strip-what").textContent = state.layer === 0
+    ? "vision token-layer passes run (all MoD layers)" : `vision tokens run in layer L${layers.mod[state.layer - 1]}`;
   for (const card of document.querySelectorAll(".frame-card")) {
     const k = Number(card.dataset.index);
     card.classList.toggle("selected", k === state.frame);

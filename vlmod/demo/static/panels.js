@@ -6,14 +6,17 @@
 
 function renderAnswer(source) {
   const r = state.result;
+  const expected = r.expected;  // a bundled example asked its own question: each answer is marked
   $("answer").textContent = r.answer || "(empty answer)";
+  if (expected) $("answer").append(" ", answerMark(expected.mod, expected.answer, "answer-mark"));
   const d = r.stats.dense;
   const box = $("dense-answer");
   if (d) {
     box.hidden = false;
     box.textContent = "";
-    box.append(el("span", { class: "chip neutral", text: "dense" }), ` ${d.answer || "(empty)"} `,
-      el("span", { class: `agree ${d.same_answer ? "yes" : "no"}`, text: d.same_answer ? "same answer" : "differs" }));
+    box.append(el("span", { class: "chip neutral", text: "dense" }), ` ${d.answer || "(empty)"} `);
+    if (expected && expected.dense !== null) box.append(answerMark(expected.dense, expected.answer, "dense-mark"), " ");
+    box.append(el("span", { class: `agree ${d.same_answer ? "yes" : "no"}`, text: d.same_answer ? "same answer" : "differs" }));
   } else {
     box.hidden = true;
   }
@@ -28,7 +31,17 @@ function renderAnswer(source) {
   }
 }
 
+// ✓ correct / ✗ wrong against the example's expected answer, so a wrong answer reads as one.
+function answerMark(correct, answer, id) {
+  return el("span", {
+    class: `mark ${correct ? "correct" : "wrong"}`, id,
+    text: correct ? "✓ correct" : `✗ wrong (expected ${answer})`,
+  });
+}
+
 function ratio(x) { return `${x.toFixed(2)}×`; }
+// A dense / MoD ratio in words that match it: 1.14 is "1.14× faster", 0.88 is "1.14× slower".
+function times(x) { return x >= 1 ? `${ratio(x)} faster` : `${ratio(1 / x)} slower`; }
 
 // One latency row: MoD and dense with their ranges, the paired ratio with its interval, and the
 // verdict only where the interval is clear of 1 (else "within noise") and the machine was quiet.
@@ -41,18 +54,22 @@ function latencyRow(label, note, f, unit, predictedFrom) {
   if (f.dense_s != null) {
     row.append(el("span", { class: "latency-value" }, [el("b", { text: seconds(f.dense_s) + unit }), ` dense${range(f.dense_range_s)}`]));
     const [lo, hi] = f.interval;
-    const interval = lo === hi ? "" : `, ${ratio(lo)}–${ratio(hi)} over the runs`;
+    // Slower reads as MoD's time over dense's, so its interval turns round with it.
+    const interval = lo === hi ? "" : f.speedup < 1
+      ? `, ${ratio(1 / hi)}–${ratio(1 / lo)} over the runs` : `, ${ratio(lo)}–${ratio(hi)} over the runs`;
+    // Without a verdict the bare ratio (dense / MoD) and its interval, no "faster" or "slower".
+    const bare = lo === hi ? "" : `, ${ratio(lo)}–${ratio(hi)} over the runs`;
     const words = {
-      faster: `${ratio(f.speedup)} faster${interval}`,
-      slower: `${ratio(f.speedup)} slower${interval}`,
-      "within noise": `within noise (${ratio(f.speedup)}${interval})`,
-      contended: `${ratio(f.speedup)}${interval}: contended, no verdict`,
+      faster: `${times(f.speedup)}${interval}`,
+      slower: `${times(f.speedup)}${interval}`,
+      "within noise": `within noise (${ratio(f.speedup)}${bare})`,
+      contended: `${ratio(f.speedup)}${bare}: contended, no verdict`,
       "one run": `${ratio(f.speedup)} from one run: no spread, no verdict`,
     };
     const kind = { faster: "yes", slower: "no" }[f.verdict] || "neutral";
     row.append(el("span", { class: `speedup ${kind}`, "data-verdict": f.verdict, text: words[f.verdict] }));
     if (f.predicted_speedup != null) {
-      row.append(el("span", { class: "latency-predicted", text: `predicted ${ratio(f.predicted_speedup)} from ${predictedFrom}` }));
+      row.append(el("span", { class: "latency-predicted", text: `predicted ${times(f.predicted_speedup)} from ${predictedFrom}` }));
     }
   }
   return row;
@@ -66,7 +83,8 @@ function renderLatency() {
   box.hidden = !t;
   if (!t) return;
   box.append(el("div", { class: "latency-title", text: "Latency" }));
-  box.append(latencyRow("Time to first token", "prefill: what MoD cuts", t.prefill, "", "FLOPs"));
+  box.append(latencyRow("Time to first token", "prefill: what MoD cuts", t.prefill, "",
+    "the whole prefill's FLOPs, vision tower included"));
   if (t.decode) box.append(latencyRow("Decode", "per new token", t.decode, " /token", "bytes read"));
   if (t.contended) {
     box.append(el("div", { class: "latency-contended", role: "note",
