@@ -791,7 +791,8 @@ def test_results_record_the_kernels_versions_and_threads_the_numbers_depend_on(i
     assert saved["cpu"] and saved["numpy"] and saved["pillow"] and saved["av"]
     md = (out / "results.md").read_text()
     assert f"- machine: torch {torch.__version__}, transformers {transformers.__version__}" in md
-    assert f"torch kernels {saved['cpu_capability']} (flags " in md and f"{saved['threads']} threads" in md
+    assert f"torch kernels {saved['cpu_capability']} (flags " in md and f"{saved['threads']} thread" in md
+    assert ("1 thread;" in md) == (saved["threads"] == 1)  # not "1 threads"
 
 
 def test_training_flops_count_the_tower_and_the_teacher() -> None:

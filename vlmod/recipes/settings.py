@@ -330,7 +330,7 @@ def format_machine(m: dict[str, Any]) -> str:
     flags = " ".join(m.get("cpu_flags") or []) or "none listed"
     return (f"- machine: torch {m.get('torch', '?')}, transformers {m.get('transformers', '?')}, numpy "
             f"{m.get('numpy', '?')}, Pillow {m.get('pillow', '?')}, PyAV {m.get('av', '?')}; {m.get('cpu', '?')}, torch kernels "
-            f"{m.get('cpu_capability', '?')} (flags {flags}), {m.get('threads', '?')} threads"
+            f"{m.get('cpu_capability', '?')} (flags {flags}), {m.get('threads', '?')} thread{'' if m.get('threads') == 1 else 's'}"
             + (f", {m['cuda']}" if m.get("cuda") else "") + f"; {m.get('platform', '?')}. The float sums follow "
             "the kernels and threads: another CPU trains another model from the same seed")
 
