@@ -92,6 +92,19 @@ def test_a_launch_accelerate_did_not_distribute_is_refused(monkeypatch: pytest.M
     check_launch(_accelerator(DistributedType.NO, 1))
 
 
+def test_a_deepspeed_config_that_accelerate_ran_as_ddp_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: `accelerate launch --config_file configs/accelerate/zero3.yaml --num_processes 2` with
+    ACCELERATE_USE_CPU=true (DeepSpeed 0.19.8 installed, its CPU accelerator on gloo) trained as plain
+    DDP, saved unsharded checkpoints and said nothing: accelerate 1.15 drops the DeepSpeed config on
+    a CPU. Now one line says so and where to go instead."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    with pytest.raises(TrainError, match=r"asks for DeepSpeed, .* runs this launch as MULTI_CPU with 2 process\(es\), "
+                                         r"without DeepSpeed .*configs/accelerate/fsdp.yaml"):
+        check_launch(_accelerator(DistributedType.MULTI_CPU, 2))
+    check_launch(_accelerator(DistributedType.DEEPSPEED, 2))
+
+
 def test_token_weighting_follows_what_each_model_declares() -> None:
     """The global token count goes to a model's loss only where transformers' Trainer would pass
     it: Qwen-VL models declare `accepts_loss_kwargs = False` and keep their own mean."""

@@ -137,7 +137,7 @@ def set_trainable(model: nn.Module, trainable: str, train_vision_tower: bool = F
         }[trainable] or (train_vision_tower and group == "vision")
         p.requires_grad_(on)
         if on:
-            groups[group] += p.numel()
+            groups[group] += getattr(p, "ds_numel", p.numel())  # ZeRO-3 loads its parameters partitioned
     return {k: v for k, v in groups.items() if v}
 
 
@@ -254,6 +254,15 @@ def check_launch(accelerator: Any) -> None:
             f"{kind.value} with {accelerator.num_processes} process(es): it sets FSDP up on GPUs (and other "
             "accelerators) only, not on CPU, where vlmod runs FSDP2 over gloo in several processes "
             "(ACCELERATE_USE_CPU=true FSDP_VERSION=2 torchrun --nproc_per_node 2 scripts/finetune.py ...)"
+        )
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" and kind != DistributedType.DEEPSPEED:
+        # With ACCELERATE_USE_CPU=true accelerate 1.15 drops the DeepSpeed config and runs DDP over
+        # gloo: the ZeRO-3 run asked for would silently be an unsharded one.
+        raise TrainError(
+            f"the accelerate config asks for DeepSpeed, but accelerate {accelerate.__version__} runs this launch as "
+            f"{kind.value} with {accelerator.num_processes} process(es), without DeepSpeed (it does not run DeepSpeed "
+            "with ACCELERATE_USE_CPU=true); on a CPU shard with FSDP2 over gloo instead (configs/accelerate/fsdp.yaml, "
+            "docs/finetune.md), or use multi_gpu.yaml's settings for plain DDP"
         )
 
 
