@@ -246,24 +246,25 @@ def check_launch(accelerator: Any) -> None:
             f"{accelerator.num_processes} ({kind.value}): with no GPU here, set ACCELERATE_USE_CPU=true (DDP over gloo), "
             "e.g. ACCELERATE_USE_CPU=true torchrun --nproc_per_node 2 scripts/finetune.py ..."
         )
-    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and kind != DistributedType.FSDP:
-        # accelerate/state.py turns only GPU-like multi-device types into FSDP, never MULTI_CPU
-        # (and `accelerate launch --cpu` runs FSDP configs as one plain process).
-        raise TrainError(
-            f"the accelerate config asks for FSDP, but accelerate {accelerate.__version__} runs this launch as "
-            f"{kind.value} with {accelerator.num_processes} process(es): it sets FSDP up on GPUs (and other "
-            "accelerators) only, not on CPU, where vlmod runs FSDP2 over gloo in several processes "
-            "(ACCELERATE_USE_CPU=true FSDP_VERSION=2 torchrun --nproc_per_node 2 scripts/finetune.py ...)"
-        )
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" and kind != DistributedType.DEEPSPEED:
-        # With ACCELERATE_USE_CPU=true accelerate 1.15 drops the DeepSpeed config and runs DDP over
-        # gloo: the ZeRO-3 run asked for would silently be an unsharded one.
-        raise TrainError(
-            f"the accelerate config asks for DeepSpeed, but accelerate {accelerate.__version__} runs this launch as "
-            f"{kind.value} with {accelerator.num_processes} process(es), without DeepSpeed (it does not run DeepSpeed "
-            "with ACCELERATE_USE_CPU=true); on a CPU shard with FSDP2 over gloo instead (configs/accelerate/fsdp.yaml, "
-            "docs/finetune.md), or use multi_gpu.yaml's settings for plain DDP"
-        )
+    # An engine the config asks for (the variable `accelerate launch` sets) that accelerate did not
+    # set up: accelerate/state.py makes FSDP only of GPU-like multi-device types, never MULTI_CPU
+    # (and `accelerate launch --cpu` runs FSDP configs as one plain process); with
+    # ACCELERATE_USE_CPU=true it drops a DeepSpeed config and runs DDP over gloo. Either way the
+    # sharded run asked for would silently be an unsharded one.
+    for variable, engine, why in (
+        ("ACCELERATE_USE_FSDP", DistributedType.FSDP,
+         ": it sets FSDP up on GPUs (and other accelerators) only, not on CPU, where vlmod runs FSDP2 over gloo in "
+         "several processes (ACCELERATE_USE_CPU=true FSDP_VERSION=2 torchrun --nproc_per_node 2 scripts/finetune.py ...)"),
+        ("ACCELERATE_USE_DEEPSPEED", DistributedType.DEEPSPEED,
+         ", without DeepSpeed (it does not run DeepSpeed with ACCELERATE_USE_CPU=true); on a CPU shard with FSDP2 over "
+         "gloo instead (configs/accelerate/fsdp.yaml, docs/finetune.md), or use multi_gpu.yaml's settings for plain DDP"),
+    ):
+        if os.environ.get(variable, "false").lower() == "true" and kind != engine:
+            name = "FSDP" if engine == DistributedType.FSDP else "DeepSpeed"
+            raise TrainError(
+                f"the accelerate config asks for {name}, but accelerate {accelerate.__version__} runs this launch as "
+                f"{kind.value} with {accelerator.num_processes} process(es){why}"
+            )
 
 
 def check_lora_sharding(cfg: TrainConfig, accelerator: Any) -> None:
