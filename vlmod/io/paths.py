@@ -66,6 +66,13 @@ def _existing_ancestor(path: Path) -> Path:
     return parent
 
 
+def nearest_existing(path: str | os.PathLike[str]) -> Path:
+    """`path` (made absolute) or its nearest ancestor that exists: where files written there will
+    take their space (`shutil.disk_usage` needs a path that exists)."""
+    path = Path(path).absolute()
+    return path if path.exists() else _existing_ancestor(path)
+
+
 def _check_creatable(path: Path, flag: str, error: type[Exception]) -> None:
     """`path` does not exist: its nearest existing ancestor must be a folder we may write."""
     ancestor = _existing_ancestor(path)
@@ -294,6 +301,6 @@ def resolve_checkpoint(arg: str | os.PathLike[str], flag: str) -> Path | str:
 
 __all__ = [
     "check_hub_id", "check_model_arg", "check_new_dir", "check_not_among", "check_output_dir", "check_output_file",
-    "hub_offline", "hub_reachable", "in_hub_cache", "is_repo_id", "looks_like_hub_id", "not_found",
+    "hub_offline", "hub_reachable", "in_hub_cache", "is_repo_id", "looks_like_hub_id", "nearest_existing", "not_found",
     "resolve_checkpoint", "symlink_loop",
 ]

@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 
 from vlmod.errors import InputError
+from vlmod.io.paths import nearest_existing
 
 GB, GIB = 10**9, 1024**3
 # What a stage holds besides the model: Python, torch, transformers and vlmod imported (the
@@ -45,7 +46,7 @@ def check_machine(shape: str, root: Path, layers: int, stages: tuple[str, ...], 
     copies = int(built) + MODEL_COPIES["convert"] * ("convert" in stages) + (finetunes if keep else min(finetunes, 1))
     disk = size * copies + SMALL_FILES
     have_memory = available_bytes(torch.device("cpu"))
-    where = _existing(root)
+    where = nearest_existing(root)
     free = shutil.disk_usage(where).free
     memory_short = memory > have_memory and os.environ.get("VLMOD_SKIP_MEMORY_CHECK") != "1"
     if not memory_short and disk <= free:
@@ -59,14 +60,6 @@ def check_machine(shape: str, root: Path, layers: int, stages: tuple[str, ...], 
         f"{free / GB:.1f} GB of disk free under {where}; choose fewer --layers (32 is the real model), fewer "
         "--stages or another --workdir (VLMOD_SKIP_MEMORY_CHECK=1 skips the memory check)"
     )
-
-
-def _existing(path: Path) -> Path:
-    """`path` or its nearest folder that exists (where the run's files will take their space)."""
-    path = path.absolute()
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
 
 
 __all__ = ["MIN_LAYERS", "check_machine"]
