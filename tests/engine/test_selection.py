@@ -407,3 +407,34 @@ def test_router_is_zero_initialised_linear():
         router.weight.normal_()
     x = torch.randn(2, 5, 8)
     assert torch.allclose(router(x), x @ router.weight[0] + router.bias)
+
+
+def test_router_reads_its_weights_through_the_parameter_getter():
+    """Before: `Router.logits` (called by every MoD layer without a module call) read its weights
+    with `self._parameters.get(...)`, which bypasses the `__getitem__` DeepSpeed ZeRO-3 replaces
+    `_parameters` with to gather a partitioned parameter in the running layer's forward: the layer
+    multiplied by an empty shard ("size mismatch ... vec (0)"). Now it indexes `_parameters`, and a
+    parameter of that kind (`ds_id`) is never served from the float32 copy kept for inference."""
+
+    class Gathering(dict):  # DeepSpeed's ZeROOrderedDict, in miniature: the getter fills the value
+        def __getitem__(self, key):
+            param = super().__getitem__(key)
+            if param.numel() == 0:
+                param.data = full[key]
+            return param
+
+    router = Router(8).to(torch.bfloat16)
+    full = {"weight": torch.randn(1, 8).to(torch.bfloat16), "bias": torch.randn(1).to(torch.bfloat16)}
+    params = Gathering(weight=router.weight, bias=router.bias)
+    for p in params.values():
+        p.data = torch.empty(0, dtype=torch.bfloat16)  # partitioned: this process's empty shard
+        p.ds_id = 0
+    router._parameters = params
+    x = torch.randn(1, 3, 8)
+    with torch.no_grad():
+        want = x @ full["weight"].float()[0] + full["bias"].float()
+        assert torch.allclose(router(x), want)
+        full["weight"] = torch.randn(1, 8).to(torch.bfloat16)  # an optimizer step on the shards
+        for p in params.values():
+            p.data = torch.empty(0, dtype=torch.bfloat16)  # released after the forward
+        assert torch.allclose(router(x), x @ full["weight"].float()[0] + full["bias"].float())

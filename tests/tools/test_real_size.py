@@ -125,7 +125,7 @@ def test_a_finetune_that_cannot_fit_refuses_in_one_line(low, tmp_path, monkeypat
 
 
 def test_the_estimate_counts_master_weights_optimizer_and_checkpointing() -> None:
-    from vlmod.training.memory import HEADROOM, estimate
+    from vlmod.training.memory import HEADROOM, HEADROOM_CPU, estimate, headroom
 
     model, _ = tiny.build("llava")
     model.requires_grad_(False)
@@ -137,10 +137,13 @@ def test_the_estimate_counts_master_weights_optimizer_and_checkpointing() -> Non
     assert full.trainable_state == 16 * lm
     saved = estimate(model, 100, longest=50, compute_dtype=torch.float32, gradient_checkpointing=True)
     assert saved.activations < full.activations
-    # Headroom: AdamW's temporaries (8 bytes a trained parameter), a fixed margin and 10% of the rest.
+    # Headroom on a CPU: 0.5 GiB and 10% of everything (no foreach temporaries there: torch's AdamW runs them on
+    # CUDA tensors only); on a GPU: those temporaries (8 bytes a trained parameter), a fixed margin
+    # and 10% of the rest.
     rest = full.trainable_state + full.activations + full.process
-    assert full.headroom == 8 * lm + HEADROOM + rest // 10
+    assert full.headroom == HEADROOM_CPU + (rest + full.frozen_weights) // 10
     assert full.total == full.frozen_weights + rest + full.headroom
+    assert headroom(lm, rest, full.frozen_weights, "cuda") == 8 * lm + HEADROOM + rest // 10
 
 
 def test_align_file_keeps_every_tensor_and_aligns_the_matrices(tmp_path) -> None:

@@ -19,8 +19,8 @@ from helpers import ROOT
 from safetensors.torch import load_file
 
 from vlmod.models import tiny
+from vlmod.training.launch import check_launch
 from vlmod.training.loop import takes_loss_kwargs
-from vlmod.training.setup import check_launch
 from vlmod.training.train import TrainConfig, TrainError, train
 
 
@@ -96,11 +96,12 @@ def test_a_deepspeed_config_that_accelerate_ran_as_ddp_is_refused(monkeypatch: p
     """Before: `accelerate launch --config_file configs/accelerate/zero3.yaml --num_processes 2` with
     ACCELERATE_USE_CPU=true (DeepSpeed 0.19.8 installed, its CPU accelerator on gloo) trained as plain
     DDP, saved unsharded checkpoints and said nothing: accelerate 1.15 drops the DeepSpeed config on
-    a CPU. Now one line says so and where to go instead."""
+    a CPU. Now one line says so and how to launch it: without ACCELERATE_USE_CPU, vlmod runs DeepSpeed
+    over gloo (tests/training/test_sharded.py)."""
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     with pytest.raises(TrainError, match=r"asks for DeepSpeed, .* runs this launch as MULTI_CPU with 2 process\(es\), "
-                                         r"without DeepSpeed .*configs/accelerate/fsdp.yaml"):
+                                         r"without DeepSpeed .*without ACCELERATE_USE_CPU"):
         check_launch(_accelerator(DistributedType.MULTI_CPU, 2))
     check_launch(_accelerator(DistributedType.DEEPSPEED, 2))
 

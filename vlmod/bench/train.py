@@ -150,12 +150,11 @@ def prepare_training(
         set_trainable,
     )
 
-    cfg = TrainConfig(model="bench", data="bench", output_dir="bench", trainable=trainable)
+    cfg = TrainConfig(model="bench", data="bench", output_dir="bench", trainable=trainable, seed=seed)
     if gradient_checkpointing:
         enable_gradient_checkpointing(model)
     if adapters:
-        torch.manual_seed(seed)  # the same adapter weights in the dense and the MoD model
-        model = add_lora(model, cfg)
+        model = add_lora(model, cfg)  # from `seed`: the same adapter weights in the dense and the MoD model
     if gradient_checkpointing:
         drop_input_grads(model)  # as `vlmod finetune` does
     groups = set_trainable(model, trainable)

@@ -54,12 +54,13 @@ def check_room(
             model, ids.shape[1] * batch, longest=ids.shape[1], compute_dtype=compute_dtype,
             gradient_checkpointing=gradient_checkpointing, logit_rows=None if keep is None else batch * keep.numel(),
         ))
+    frozen = max(e.frozen_weights for e in estimates)  # the dense twin shares the MoD model's
+    state = sum(e.trainable_state for e in estimates)
+    activations = max(e.activations for e in estimates)  # the steps take turns
+    process = estimates[0].process
     needed = memory.MemoryEstimate(
-        frozen_weights=max(e.frozen_weights for e in estimates),  # the dense twin shares the MoD model's
-        trainable_state=sum(e.trainable_state for e in estimates),
-        activations=max(e.activations for e in estimates),  # the steps take turns
-        process=estimates[0].process,
-        headroom=sum(e.headroom for e in estimates) - (len(estimates) - 1) * memory.HEADROOM,
+        frozen, state, activations, process,
+        memory.headroom(state // 16, state + activations + process, frozen, torch.device(device).type),
     )
     memory.check_fits(needed, torch.device(device), InputError)
 

@@ -200,13 +200,17 @@ def load_config(path: str | Path, **kwargs: Any) -> Any:
 def load_pretrained(path: str | Path, **from_pretrained_kwargs: Any) -> nn.Module:
     """Load a checkpoint saved by `save_pretrained`, converted again exactly as it was saved.
 
-    A plain (never converted) checkpoint loads as the dense model. The converted architecture is
+    A plain (never converted) checkpoint loads as the dense model; a LoRA fine-tune's `adapter`
+    folder as the merged model on the base it records (`vlmod.io.adapters`). The converted architecture is
     built first and transformers' own loading fills it, so key renames of the checkpoint format
     apply to the routers too. A checkpoint that cannot be used as it is raises CheckpointError
     (see the module doc).
     """
     from vlmod.api import apply_mod
+    from vlmod.io.adapters import is_adapter, load_adapter
 
+    if is_adapter(path) and not from_pretrained_kwargs.get("output_loading_info"):
+        return load_adapter(path, **from_pretrained_kwargs)
     want_info = bool(from_pretrained_kwargs.pop("output_loading_info", False))
     config_kwargs = {k: v for k, v in from_pretrained_kwargs.items() if k in _CONFIG_KWARGS}
     config = load_config(path, **config_kwargs)

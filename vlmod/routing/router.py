@@ -33,9 +33,14 @@ class Router(nn.Linear):
         router's own copy of x is upcast; the tokens the block runs on keep their dtype."""
         # Where Module.__getattr__ finds them, without its miss in the instance dict first: this
         # runs per MoD layer and decode step. (FSDP may hold them elsewhere: then the attributes.)
+        # Indexed, not `.get`: DeepSpeed ZeRO-3 gathers a partitioned parameter in its
+        # `_parameters.__getitem__` (and registers it with the layer whose forward is running, so
+        # that layer's backward gathers it again); `dict.get` would bypass that and read a
+        # zero-size shard.
         params = self._parameters
-        weight, bias = params.get("weight"), params.get("bias")
-        if weight is None or bias is None:
+        if "weight" in params and "bias" in params:
+            weight, bias = params["weight"], params["bias"]
+        else:
             weight, bias = self.weight, self.bias
         if weight.dtype is not torch.float32:  # a no-op .float() still costs a dispatch per layer and step
             weight, bias = self._float_weights(weight, bias)
@@ -55,7 +60,7 @@ class Router(nn.Linear):
         """Float32 copies of low-precision weights, kept between calls while the weights do not
         change and no gradient flows to them (inference: two casts fewer per MoD layer and step);
         recomputed when an optimizer step or a load bumps their version."""
-        if torch.is_grad_enabled() and weight.requires_grad or torch.compiler.is_compiling():
+        if torch.is_grad_enabled() and weight.requires_grad or torch.compiler.is_compiling() or _gathered(weight):
             return weight.float(), bias.float()
         key = (weight.data_ptr(), weight._version, bias.data_ptr(), bias._version, weight.device)
         cached = self.__dict__.get("_vlmod_float")
@@ -63,6 +68,13 @@ class Router(nn.Linear):
             cached = (key, weight.detach().float(), bias.detach().float())
             self.__dict__["_vlmod_float"] = cached
         return cached[1], cached[2]
+
+
+def _gathered(weight: Tensor) -> bool:
+    """Whether DeepSpeed ZeRO-3 partitions `weight`: it gathers the values into a fresh buffer
+    each forward (same address and version possible after an optimizer step), so a copy keyed on
+    them could be stale."""
+    return hasattr(weight, "ds_id")
 
 
 def _gate_parts(scores: Tensor, kind: str, alpha: float) -> tuple[Tensor, float] | None:

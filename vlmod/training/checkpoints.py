@@ -26,7 +26,7 @@ from vlmod.errors import TrainError
 from vlmod.io.files import write_json
 from vlmod.io.safetensors_layout import align_folder
 from vlmod.training.fsdp import merged_lora_state_dict
-from vlmod.training.merge import merge_lora_mapped
+from vlmod.training.merge import merge_lora_mapped, save_adapter
 from vlmod.training.resume import DATA_KEY, data_fingerprint, settings_diff
 
 if TYPE_CHECKING:
@@ -267,9 +267,29 @@ def save_checkpoint(accelerator: Any, cfg: TrainConfig, state: dict[str, Any]) -
     return final
 
 
+def keep_used_key_conversions(model: nn.Module) -> None:
+    """Keep for saving only the key conversions the checkpoint's load used, as transformers 5.24's
+    plain load does; its DeepSpeed ZeRO-3 load keeps every one, and the reverse of one that never
+    applied (the CLIP tower's `PrefixChange`) rewrote every saved key ("language_model.model.model.
+    embed_tokens"), a folder that loads with no weights at all."""
+    conversions = getattr(model, "_weight_conversions", None)
+    if conversions and all(hasattr(c, "was_used") for c in conversions):
+        model._weight_conversions = [c for c in conversions if c.was_used()]
+
+
+def weights_gathered(accelerator: Any) -> bool:
+    """Whether the model's parameters are shards whose whole values only the gathered state dict
+    holds (FSDP2, DeepSpeed ZeRO-3): LoRA is then merged from that state dict, not the model."""
+    ds = getattr(accelerator.state, "deepspeed_plugin", None)
+    zero3 = accelerator.distributed_type.value == "DEEPSPEED" and ds is not None and ds.zero_stage == 3
+    return bool(getattr(accelerator, "is_fsdp2", False)) or zero3
+
+
 def save_model(accelerator: Any, model: nn.Module, processor: Any, out: Path, dtype: torch.dtype | None = None) -> Path:
     """The trained model as `save_pretrained` writes it (the full state dict gathered under FSDP /
-    ZeRO-3; LoRA merged into the weights, a group of projections at a time: `merge_lora_mapped`),
+    ZeRO-3; LoRA merged into the weights, a group of projections at a time: `merge_lora_mapped`,
+    or from the gathered state dict: `merged_lora_state_dict`; the adapters also saved as adapters
+    beside it, in `out`'s sibling `adapter`: `save_adapter`),
     plus the processor, to `out` via a temporary dir. `dtype`: the gathered weights cast to it
     first (a sharded run's trained shards are float32 master weights that `cast_trainable` cannot
     reach; one process casts its model before saving, and merges LoRA after that cast too)."""
@@ -286,10 +306,13 @@ def save_model(accelerator: Any, model: nn.Module, processor: Any, out: Path, dt
 
         scratch = out.with_name(out.name + ".merge.tmp")  # merged LoRA projections, mapped while saving
         try:
-            if hasattr(model, "peft_config") and getattr(accelerator, "is_fsdp2", False):
+            if hasattr(model, "peft_config"):
+                save_adapter(model, state_dict, out.with_name("adapter"))  # before the merge changes the model
+            if hasattr(model, "peft_config") and weights_gathered(accelerator):
                 model, state_dict = model.get_base_model(), merged_lora_state_dict(model, state_dict)
             elif hasattr(model, "peft_config"):
                 model, state_dict = merge_lora_mapped(model, scratch), None
+            keep_used_key_conversions(model)
             model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
             align_folder(tmp)  # loading maps the weights and computes what was saved, bit for bit
             processor.save_pretrained(tmp)

@@ -19,12 +19,17 @@ The estimate counts, per process:
   formula gives 49.5 and 53.5 (the old 8 x width + 3 x MLP width gave 40.1, 2 GiB under a 7B
   video fine-tune). MoD layers are counted at every token (an upper bound: they keep fewer);
 - what the process already holds besides the model (Python, torch, the data);
-- headroom: AdamW's foreach temporaries (two float32 copies of the trainable weights during a
-  step), plus 1.5 GiB and 10% of everything but the frozen weights for what no formula sees (the
-  allocator's cached blocks, transient buffers). Without it the estimate came out 2.0 to 3.0 GiB
-  under the measured peaks of 7B router and LoRA fine-tunes; with it, it is above them
-  (docs/results.md, Real size). An estimate should err high: a run killed an hour in costs more
-  than a refusal, which `VLMOD_SKIP_MEMORY_CHECK=1` overrides.
+- headroom (`headroom`), for what no formula sees, by device. On a GPU: AdamW's foreach
+  temporaries (two float32 copies of the trainable weights during a step: torch picks foreach for
+  CUDA tensors only), 1.5 GiB for the allocator's cached blocks and transient buffers, and 10% of
+  everything but the frozen weights. On a CPU: 0.5 GiB (the C heap's freed but kept blocks) and
+  10% of everything, the frozen weights included (resident pages there). The CPU rule was set
+  against measured peaks (docs/finetune.md): a full fine-tune of a 214M-parameter LLaVA (width
+  2048) peaked at 4.21 GiB, estimated 4.5 (the GPU rule: 7.1); two FSDP2 processes at 3.16 and
+  3.21 GiB, planned 3.16; the 7B router, LoRA and video router fine-tunes (docs/results.md, Real size)
+  recomputed at 18.8, 17.1 and 22.2 GiB against 17.7, 17.0 and 21.5. An estimate should err
+  high: a run killed an hour in costs more than a refusal, which `VLMOD_SKIP_MEMORY_CHECK=1`
+  overrides.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from vlmod.api import mod_layers
 
 GIB = 1024**3
 HEADROOM = 3 * GIB // 2  # see the module doc: measured, not derived
+HEADROOM_CPU = GIB // 2
 
 
 @dataclass(frozen=True)
@@ -95,9 +101,22 @@ def estimate(
     else:
         activations = layers * per_layer + routed * 4 * width * tokens
     activations += 2 * (tokens if logit_rows is None else logit_rows) * vocab * 4  # float32 logits and their gradient
-    process = process_bytes(next(model.parameters()).device)
-    headroom = 8 * trainable + HEADROOM + (16 * trainable + activations + process) // 10
-    return MemoryEstimate(frozen, 16 * trainable, activations, process, headroom)
+    device = next(model.parameters()).device
+    process = process_bytes(device)
+    return MemoryEstimate(
+        frozen, 16 * trainable, activations, process,
+        headroom(trainable, 16 * trainable + activations + process, frozen, device.type),
+    )
+
+
+def headroom(trainable: int, body: int, frozen: int, device_type: str) -> int:
+    """The margin over the formula (see the module doc) for `trainable` parameters, `body` bytes of
+    trainable state, activations and process, and `frozen` bytes of frozen weights on a device of
+    `device_type` ("cuda": AdamW's foreach temporaries, 1.5 GiB and 10% of `body`; otherwise
+    0.5 GiB and 10% of everything)."""
+    if device_type == "cuda":
+        return 8 * trainable + HEADROOM + body // 10
+    return HEADROOM_CPU + (body + frozen) // 10
 
 
 def process_bytes(device: torch.device) -> int:
@@ -169,7 +188,9 @@ GPU_COUNTS = (1, 2, 4, 8)
 ENGINES = ("DDP", "FSDP2", "ZeRO-3", "FSDP2 offload", "ZeRO-3 offload")
 
 
-def plan(needed: MemoryEstimate, unit_bytes: int, gpus: tuple[int, ...] = GPU_COUNTS) -> dict[str, dict[int, int]]:
+def plan(
+    needed: MemoryEstimate, unit_bytes: int, gpus: tuple[int, ...] = GPU_COUNTS, device_type: str = "cuda"
+) -> dict[str, dict[int, int]]:
     """Bytes per GPU of the run `needed` estimates for one process, on each count of `gpus` under
     each of `ENGINES` (batch_size per process, as the config says). From the same terms:
     - DDP: everything on every GPU, and past one GPU a gradient bucket per trainable parameter
@@ -180,21 +201,24 @@ def plan(needed: MemoryEstimate, unit_bytes: int, gpus: tuple[int, ...] = GPU_CO
       and the running one's gradients; ZeRO-3's prefetch buckets are counted as FSDP2's units;
     - offload: the weights and the trainable state on the host (the plan's CPU column is not
       shown), the GPU holding activations and gathered layers;
-    and the headroom of the one-process estimate, from what each GPU holds of it. The process's
-    own host memory is not a GPU's, so it is left out."""
+    and the headroom of the one-process estimate, from what each GPU holds of it (`headroom`). The
+    process's own host memory is not a GPU's, so it is left out; `device_type` "cpu" plans
+    processes on a CPU instead (gloo, as tests/training/test_sharded.py runs them): each holds its
+    own process memory too, with the CPU's headroom."""
     trainable = needed.trainable_state // 16
     acts = needed.activations
+    process = needed.process if device_type == "cpu" else 0
 
     def gpu(frozen: int, params: int, extra: int) -> int:
-        headroom = 8 * params + HEADROOM + (16 * params + acts) // 10
-        return frozen + 16 * params + acts + extra + headroom
+        body = 16 * params + acts + process
+        return frozen + body + extra + headroom(params, body, frozen, device_type)
 
     out: dict[str, dict[int, int]] = {e: {} for e in ENGINES}
     for n in gpus:
         gathered = 3 * unit_bytes if n > 1 else 0
         out["DDP"][n] = gpu(needed.frozen_weights, trainable, 4 * trainable if n > 1 else 0)
         out["FSDP2"][n] = out["ZeRO-3"][n] = gpu(needed.frozen_weights // n, -(-trainable // n), gathered)
-        offload = acts + 3 * unit_bytes + HEADROOM + acts // 10
+        offload = acts + 3 * unit_bytes + process + headroom(0, acts + process, 0, device_type)
         out["FSDP2 offload"][n] = out["ZeRO-3 offload"][n] = offload
     return out
 
@@ -209,8 +233,8 @@ def describe_plan(table: dict[str, dict[int, int]]) -> str:
 
 
 __all__ = [
-    "ENGINES", "GPU_COUNTS", "MemoryEstimate", "available_bytes", "check_fits", "describe_plan", "estimate", "plan",
-    "process_bytes",
+    "ENGINES", "GPU_COUNTS", "MemoryEstimate", "available_bytes", "check_fits", "describe_plan", "estimate", "headroom",
+    "plan", "process_bytes",
 ]
 
 

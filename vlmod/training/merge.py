@@ -12,12 +12,15 @@ a copy of the weight, in the weight's dtype), so the saved model is bit for bit 
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from vlmod.io.adapters import RECORD, TRAINED
 from vlmod.training.memory import release_memory
 
 GROUP_BYTES = 256 * 1024**2
@@ -77,4 +80,34 @@ def merge_lora_mapped(model: nn.Module, scratch: str | Path, group_bytes: int = 
     return model.unload()
 
 
-__all__ = ["GROUP_BYTES", "merge_lora_mapped"]
+def save_adapter(model: nn.Module, state_dict: dict[str, torch.Tensor], out: Path) -> Path:
+    """The run's adapters as a folder `vlmod.load_pretrained` reads (`vlmod.io.adapters`): peft's
+    adapter files, the other trained parameters, the base and conversion they belong to. `model`:
+    the peft model; `state_dict`: its full state dict as the merged model is saved from (gathered
+    under FSDP2 / ZeRO-3, in the saved dtype), read before any merge. Written to `out.tmp`, then
+    renamed."""
+    from safetensors.torch import save_file
+
+    prefix = "base_model.model."
+    trained = {n.replace("_checkpoint_wrapped_module.", "") for n, p in model.named_parameters() if p.requires_grad}
+    others = {
+        k.removeprefix(prefix): v.contiguous() for k, v in state_dict.items() if k in trained and ".lora_" not in k
+    }
+    base = model.get_base_model()
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        model.save_pretrained(str(tmp), state_dict=state_dict, safe_serialization=True)
+        save_file(others, str(tmp / TRAINED))
+        record = {"base": str(getattr(base, "name_or_path", "") or base.config._name_or_path),
+                  "vlmod": getattr(base.config, "vlmod", None), "trained": sorted(others)}
+        (tmp / RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+__all__ = ["GROUP_BYTES", "merge_lora_mapped", "save_adapter"]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
@@ -34,6 +33,7 @@ from vlmod.training.checkpoints import check_output_dir_owner, resolve_resume
 from vlmod.training.config import TrainConfig
 from vlmod.training.distill import Teacher
 from vlmod.training.fsdp import largest_unit_bytes, set_layer_classes, shard_on_cpu
+from vlmod.training.launch import check_launch, check_lora_sharding, make_accelerator
 from vlmod.training.logits import answer_logits_inputs
 
 # ----------------------------------------------------------------------------- model
@@ -169,7 +169,12 @@ def add_lora(model: nn.Module, cfg: TrainConfig) -> nn.Module:
             # peft decides from it (an input-grad hook) `drop_input_grads` undoes anyway. Only that
             # one message, only around this call.
             warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
-            return get_peft_model(model, lora)
+            # The adapters' random init from the run's seed alone, not from whatever drew random
+            # numbers before (a DeepSpeed ZeRO-3 load does: its adapters started elsewhere than
+            # one process's); the rest of the run's draws as they would be without LoRA.
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(cfg.seed)
+                return get_peft_model(model, lora)
     except ValueError as e:
         raise TrainError(f"LoRA: {e}") from None
 
@@ -207,81 +212,6 @@ def load_dataset(path: str, processor: Any, cfg: TrainConfig, max_tokens: int | 
         )
     except DataError as e:
         raise TrainError(str(e)) from None
-
-
-# ----------------------------------------------------------------------------- accelerate
-
-
-def make_accelerator(cfg: TrainConfig, precision: str) -> Any:
-    """The run's Accelerator: its gradient accumulation, mixed precision, trackers and log folder."""
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState
-    from accelerate.utils import ProjectConfiguration
-
-    state = AcceleratorState._shared_state
-    if state and state.get("_mixed_precision") != precision and int(os.environ.get("WORLD_SIZE", "1") or 1) == 1:
-        # accelerate keeps one process-wide state and refuses another precision in the same process
-        # (a second run in a notebook, a recipe's next stage); one process has nothing else to keep.
-        AcceleratorState._reset_state()
-    project = ProjectConfiguration(project_dir=cfg.output_dir, logging_dir=str(Path(cfg.output_dir) / "logs"))
-    return Accelerator(
-        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-        mixed_precision=precision,
-        log_with=cfg.report_to or None,
-        project_config=project,
-    )
-
-
-def check_launch(accelerator: Any) -> None:
-    """Refuse a launch that accelerate did not turn into the distributed run it asked for, rather
-    than train N independent copies that overwrite one output folder (or run FSDP as DDP)."""
-    import accelerate
-    from accelerate.utils import DistributedType
-
-    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    kind = accelerator.distributed_type
-    if world > 1 and accelerator.num_processes != world:
-        raise TrainError(
-            f"launched as {world} processes, but accelerate {accelerate.__version__} made this a run of "
-            f"{accelerator.num_processes} ({kind.value}): with no GPU here, set ACCELERATE_USE_CPU=true (DDP over gloo), "
-            "e.g. ACCELERATE_USE_CPU=true torchrun --nproc_per_node 2 scripts/finetune.py ..."
-        )
-    # An engine the config asks for (the variable `accelerate launch` sets) that accelerate did not
-    # set up: accelerate/state.py makes FSDP only of GPU-like multi-device types, never MULTI_CPU
-    # (and `accelerate launch --cpu` runs FSDP configs as one plain process); with
-    # ACCELERATE_USE_CPU=true it drops a DeepSpeed config and runs DDP over gloo. Either way the
-    # sharded run asked for would silently be an unsharded one.
-    for variable, engine, why in (
-        ("ACCELERATE_USE_FSDP", DistributedType.FSDP,
-         ": it sets FSDP up on GPUs (and other accelerators) only, not on CPU, where vlmod runs FSDP2 over gloo in "
-         "several processes (ACCELERATE_USE_CPU=true FSDP_VERSION=2 torchrun --nproc_per_node 2 scripts/finetune.py ...)"),
-        ("ACCELERATE_USE_DEEPSPEED", DistributedType.DEEPSPEED,
-         ", without DeepSpeed (it does not run DeepSpeed with ACCELERATE_USE_CPU=true); on a CPU shard with FSDP2 over "
-         "gloo instead (configs/accelerate/fsdp.yaml, docs/finetune.md), or use multi_gpu.yaml's settings for plain DDP"),
-    ):
-        if os.environ.get(variable, "false").lower() == "true" and kind != engine:
-            name = "FSDP" if engine == DistributedType.FSDP else "DeepSpeed"
-            raise TrainError(
-                f"the accelerate config asks for {name}, but accelerate {accelerate.__version__} runs this launch as "
-                f"{kind.value} with {accelerator.num_processes} process(es){why}"
-            )
-
-
-def check_lora_sharding(cfg: TrainConfig, accelerator: Any) -> None:
-    """LoRA is merged into the weights at save time, which needs whole parameters: FSDP2 merges
-    them from the gathered state dict (`vlmod.training.fsdp.merged_lora_state_dict`); refuse the
-    setups that shard them otherwise (FSDP1, ZeRO-3) instead of saving a broken model."""
-    from accelerate.utils import DistributedType
-
-    if cfg.trainable != "lora":
-        return
-    ds = getattr(accelerator.state, "deepspeed_plugin", None)
-    fsdp1 = accelerator.distributed_type == DistributedType.FSDP and not accelerator.is_fsdp2
-    if fsdp1 or (ds is not None and ds.zero_stage == 3):
-        raise TrainError(
-            "trainable: lora with FSDP version 1 or DeepSpeed ZeRO-3 shards the weights the adapters are merged "
-            "into; use configs/accelerate/fsdp.yaml (FSDP2), multi_gpu.yaml or zero2.yaml for LoRA"
-        )
 
 
 def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -334,15 +264,19 @@ def check_memory(model: nn.Module, dataset: Any, cfg: TrainConfig, dtype: torch.
 
 def make_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer, total_steps: int, accelerator: Any) -> Any:
     """The learning-rate schedule over `total_steps` optimizer steps, prepared: a prepared scheduler
-    steps once per process per optimizer step (accelerate's convention)."""
+    steps once per process per optimizer step (accelerate's convention), except under DeepSpeed,
+    whose engine steps it once per optimizer step (accelerate's `step` is then a no-op: measured,
+    a ZeRO-3 run of two processes went through the schedule at half the rate until this)."""
+    from accelerate.utils import DistributedType
     from transformers import get_scheduler
 
+    per_step = 1 if accelerator.distributed_type == DistributedType.DEEPSPEED else accelerator.num_processes
     warmup = int(cfg.warmup) if cfg.warmup >= 1 else int(cfg.warmup * total_steps)
     return accelerator.prepare(get_scheduler(
         {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[cfg.scheduler],
         optimizer,
-        num_warmup_steps=warmup * accelerator.num_processes,
-        num_training_steps=total_steps * accelerator.num_processes,
+        num_warmup_steps=warmup * per_step,
+        num_training_steps=total_steps * per_step,
     ))
 
 

@@ -1,9 +1,12 @@
-"""FSDP2 on this CPU: configs/accelerate/fsdp.yaml run by two processes over gloo trains what one
-process trains, its sharded checkpoints resume exactly, and the gathered model loads bit for bit;
-the layer classes to wrap come from the model.
+"""Past one process on this CPU: configs/accelerate/fsdp.yaml (FSDP2, two gloo processes started
+as accelerate's launch would) and zero3.yaml (DeepSpeed ZeRO-3, `accelerate launch` itself, over
+gloo) train what one process trains, their sharded checkpoints resume exactly, the gathered model
+loads bit for bit, and LoRA trains on the shards and saves as adapters; the layer classes to wrap
+come from the model.
 
-The two-process runs share one process group (one torchrun of this file as a worker, running
-every job in turn), started while the one-process runs they are compared with train in pytest.
+Each engine's two-process runs share one process group (one launch of this file as a worker,
+running every job in turn); the FSDP2 launch trains while the one-process runs it is compared
+with train in pytest, the ZeRO-3 launch after it.
 """
 
 from __future__ import annotations
@@ -30,10 +33,12 @@ from vlmod.models import tiny
 from vlmod.training import memory
 from vlmod.training.checkpoints import save_model
 from vlmod.training.fsdp import layer_classes, set_layer_classes, shard_on_cpu
-from vlmod.training.setup import check_lora_sharding
+from vlmod.training.launch import check_lora_sharding
 from vlmod.training.train import TrainConfig, train
 
 MODES = ("router", "language", "full", "lora")
+ENGINES = ("fsdp2", "zero3")
+CONFIGS = ROOT / "configs" / "accelerate"
 
 
 def launch_env(config_file: Path) -> dict[str, str]:
@@ -62,8 +67,8 @@ def _job(root: Path, mode: str, out: Path, **kw: Any) -> dict[str, Any]:
 
 
 def _worker(jobs_file: str) -> None:
-    """Run each job of `jobs_file` in this process group (torchrun), recording after the first
-    `prepare` which modules became FSDP units and which unit holds each router."""
+    """Run each job of `jobs_file` in this process group, recording after the first `prepare`
+    which modules became FSDP units (if any) and which unit holds each router."""
     from torch.distributed.fsdp import FSDPModule
 
     import vlmod.training.train as train_module
@@ -77,17 +82,23 @@ def _worker(jobs_file: str) -> None:
         units = {n: type(m).__name__ for n, m in run.model.named_modules() if isinstance(m, FSDPModule)}
         routers = {}
         for name, _ in run.model.named_parameters():
-            if "mod_router" in name:
+            if "mod_router" in name and units:
                 routers[name] = max((u for u in units if u == "" or name.startswith(u + ".")), key=len)
         if run.accelerator.is_main_process:
-            (Path(cfg.output_dir).parent / f"units-{cfg.trainable}.json").write_text(
-                json.dumps({"units": units, "routers": routers})
-            )
+            record = {"units": units, "routers": routers, "engine": run.accelerator.distributed_type.value,
+                      "processes": run.accelerator.num_processes}
+            (Path(cfg.output_dir).parent / f"units-{cfg.trainable}.json").write_text(json.dumps(record))
         return run
 
     train_module.prepare = recording
     for job in jobs:
         train(TrainConfig.from_dict(job), progress=False)
+
+
+def _port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
 
 
 def _losses(out: Path) -> list[float]:
@@ -100,34 +111,47 @@ def _weights(out: Path) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def runs(llava_workdir: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Two processes (FSDP2, 2 samples each) and one process (4 samples) of each trainable mode,
-    2 steps; the two-process full run checkpoints after step 1 and a fourth job resumes there."""
-    root = llava_workdir("fsdp", train=24)
+    """Per engine, two processes (2 samples each) of each trainable mode, 2 steps, the full run
+    checkpointing after step 1 and a fifth job resuming there; one process (4 samples) of each."""
+    root = llava_workdir("sharded", train=24)
     model = vlmod.load_pretrained(root / "dense")
     vlmod.apply_mod(model, vlmod.MoDConfig(capacity=0.5, layers="all"), part="vision")
     model.save_pretrained(root / "vision-mod")
     from transformers import AutoProcessor
 
     AutoProcessor.from_pretrained(root / "dense").save_pretrained(root / "vision-mod")
-    runs = tmp_path_factory.mktemp("fsdp-runs")
-    jobs = [_job(root, m, runs / f"two-{m}", batch_size=2, save_steps=1 if m == "full" else 0) for m in MODES]
-    jobs.append(_job(root, "full", runs / "resumed", batch_size=2, resume=str(runs / "two-full/checkpoints/step-1")))
-    (runs / "jobs.json").write_text(json.dumps(jobs))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, **launch_env(ROOT / "configs" / "accelerate" / "fsdp.yaml"),
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
-           __file__, "--worker", str(runs / "jobs.json")]
-    with open(runs / "two.log", "w") as log:
-        two = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
-        try:
-            for m in MODES:
-                train(TrainConfig.from_dict(_job(root, m, runs / f"one-{m}", batch_size=4)), progress=False)
-            assert two.wait(timeout=600) == 0, (runs / "two.log").read_text()[-4000:]
-        finally:
-            two.kill()
+    runs = tmp_path_factory.mktemp("sharded-runs")
+    for engine in ENGINES:
+        (runs / engine).mkdir()
+        jobs = [_job(root, m, runs / engine / f"two-{m}", batch_size=2, save_steps=1 if m == "full" else 0) for m in MODES]
+        jobs.append(_job(root, "full", runs / engine / "resumed", batch_size=2,
+                         resume=str(runs / engine / "two-full/checkpoints/step-1")))
+        (runs / engine / "jobs.json").write_text(json.dumps(jobs))
+    path = os.pathsep.join([str(ROOT), str(ROOT / "tests")])
+    worker = [__file__, "--worker"]
+    fsdp = subprocess.Popen(  # as `accelerate launch` starts them, with the CPU's variables (launch_env)
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", _port(),
+         *worker, str(runs / "fsdp2" / "jobs.json")],
+        env={**os.environ, **launch_env(CONFIGS / "fsdp.yaml"), "PYTHONPATH": path},
+        stdout=open(runs / "fsdp2" / "two.log", "w"), stderr=subprocess.STDOUT,
+    )
+    zero3 = None
+    try:
+        for m in MODES:
+            train(TrainConfig.from_dict(_job(root, m, runs / f"one-{m}", batch_size=4)), progress=False)
+        assert fsdp.wait(timeout=600) == 0, (runs / "fsdp2" / "two.log").read_text()[-4000:]
+        zero3 = subprocess.Popen(  # `accelerate launch` itself: no ACCELERATE_USE_CPU, vlmod names gloo
+            [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "zero3.yaml"),
+             "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", _port(),
+             *worker, str(runs / "zero3" / "jobs.json")],
+            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path},
+            stdout=open(runs / "zero3" / "two.log", "w"), stderr=subprocess.STDOUT,
+        )
+        assert zero3.wait(timeout=600) == 0, (runs / "zero3" / "two.log").read_text()[-4000:]
+    finally:
+        for launch in (fsdp, zero3):
+            if launch is not None:
+                launch.kill()
     return runs
 
 
@@ -140,7 +164,8 @@ def test_two_fsdp2_processes_train_what_one_process_trains(runs: Path, mode: str
     and 2 steps of each trainable mode give the losses and weights of one process to 1e-5. LoRA:
     before, refused under FSDP; now the adapters train on sharded weights and the saved model
     is merged from the gathered ones."""
-    units = json.loads((runs / f"units-{mode}.json").read_text())
+    units = json.loads((runs / "fsdp2" / f"units-{mode}.json").read_text())
+    assert units["engine"] == "FSDP" and units["processes"] == 2
     kinds = sorted(units["units"].values())
     assert kinds.count("FSDPMoDCLIPEncoderLayer") == 2 and kinds.count("FSDPMoDLlamaDecoderLayer") == 2
     assert kinds.count("FSDPLlamaDecoderLayer") == 2 and "" in units["units"]
@@ -148,25 +173,63 @@ def test_two_fsdp2_processes_train_what_one_process_trains(runs: Path, mode: str
         owner = name.rsplit(".mod_router", 1)[0]
         assert unit == (owner if ".layers." in owner else ""), (name, unit)
     assert any(".layers." in n for n in units["routers"]) == (mode == "language")
-    two, one = _losses(runs / f"two-{mode}"), _losses(runs / f"one-{mode}")
-    assert len(two) == len(one) == 2 and max(abs(a - b) for a, b in zip(two, one, strict=True)) <= 1e-5, (two, one)
-    a, b = _weights(runs / f"two-{mode}"), _weights(runs / f"one-{mode}")
-    assert a.keys() == b.keys() and sum("mod_router" in k for k in a) >= 3
-    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-5
+    _assert_same_run(runs / "fsdp2" / f"two-{mode}", runs / f"one-{mode}")
 
 
 @pytest.mark.slow
-def test_a_sharded_checkpoint_resumes_exactly_and_the_gathered_model_loads_bit_for_bit(runs: Path, tmp_path: Path) -> None:
-    """Before: nothing had saved or resumed an FSDP checkpoint. Now: the checkpoint after step 1
-    holds each process's shard (torch.distributed.checkpoint), a run resumed from it ends with the
-    uninterrupted run's losses and weights exactly, and the model gathered into one
-    `save_pretrained` directory loads with `vlmod.load_pretrained`, converted, bit for bit."""
-    shards = runs / "two-full" / "checkpoints" / "step-1" / "pytorch_model_fsdp_0"
-    assert {p.name for p in shards.glob("*.distcp")} == {"__0_0.distcp", "__1_0.distcp"}
-    assert _losses(runs / "resumed") == _losses(runs / "two-full")
-    full, resumed = _weights(runs / "two-full"), _weights(runs / "resumed")
+@pytest.mark.parametrize("mode", MODES)
+def test_two_zero3_processes_train_what_one_process_trains(runs: Path, mode: str) -> None:
+    """Before: zero3.yaml failed on every MoD model ("size mismatch ... vec (0)": a routed layer
+    reads its shared router's weight without calling the router module, so DeepSpeed never gathered
+    it), accelerate ran a CPU launch of it as one process or as plain DDP, and LoRA under ZeRO-3
+    was refused. Now `accelerate launch --config_file zero3.yaml --num_processes 2` runs DeepSpeed
+    over gloo here, and 2 steps of each trainable mode give the losses and weights of one process
+    to 1e-5, LoRA merged from the gathered weights."""
+    units = json.loads((runs / "zero3" / f"units-{mode}.json").read_text())
+    assert units["engine"] == "DEEPSPEED" and units["processes"] == 2 and not units["units"]
+    _assert_same_run(runs / "zero3" / f"two-{mode}", runs / f"one-{mode}")
+
+
+def _assert_same_run(two: Path, one: Path) -> None:
+    """Losses and saved weights of `two` equal to `one`'s to 1e-5; a LoRA run's adapter folder
+    loads as its merged model, bit for bit."""
+    a_losses, b_losses = _losses(two), _losses(one)
+    assert len(a_losses) == len(b_losses) == 2
+    assert max(abs(a - b) for a, b in zip(a_losses, b_losses, strict=True)) <= 1e-5, (a_losses, b_losses)
+    a, b = _weights(two), _weights(one)
+    assert a.keys() == b.keys() and sum("mod_router" in k for k in a) >= 3
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-5
+    assert (two / "adapter").is_dir() == (one / "adapter").is_dir() == ("lora" in two.name)
+    if "lora" in two.name:
+        for run in (two, one):
+            adapter = run / "adapter"  # peft's LoRA matrices, and the routers and projector beside them
+            lora, others = load_file(adapter / "adapter_model.safetensors"), load_file(adapter / "trained.safetensors")
+            assert lora and all(".lora_A." in k or ".lora_B." in k for k in lora)
+            assert {k.split(".")[-2] for k in others} == {"mod_router", "linear_1", "linear_2"}
+            loaded, saved = vlmod.load_pretrained(adapter).state_dict(), vlmod.load_pretrained(run / "model").state_dict()
+            assert loaded.keys() == saved.keys() and all(torch.equal(loaded[k], saved[k]) for k in saved)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_sharded_checkpoint_resumes_exactly_and_the_gathered_model_loads_bit_for_bit(
+    runs: Path, engine: str, tmp_path: Path
+) -> None:
+    """Before: nothing had saved or resumed an FSDP or ZeRO-3 checkpoint. Now: the checkpoint
+    after step 1 holds each process's shard (FSDP2: torch.distributed.checkpoint; ZeRO-3:
+    DeepSpeed's per-rank files), a run resumed from it ends with the uninterrupted run's losses and
+    weights exactly, and the model gathered into one `save_pretrained` directory loads with
+    `vlmod.load_pretrained`, converted, bit for bit."""
+    step = runs / engine / "two-full" / "checkpoints" / "step-1"
+    if engine == "fsdp2":
+        assert {p.name for p in (step / "pytorch_model_fsdp_0").glob("*.distcp")} == {"__0_0.distcp", "__1_0.distcp"}
+    else:
+        ranks = {p.name.split("_rank_")[1].split("_")[0] for p in step.rglob("*_rank_*_model_states.pt")}
+        assert ranks == {"0", "1"}, sorted(p.name for p in step.rglob("*"))
+    assert _losses(runs / engine / "resumed") == _losses(runs / engine / "two-full")
+    full, resumed = _weights(runs / engine / "two-full"), _weights(runs / engine / "resumed")
     assert full.keys() == resumed.keys() and all(torch.equal(full[k], resumed[k]) for k in full)
-    model = vlmod.load_pretrained(runs / "two-full" / "model")
+    model = vlmod.load_pretrained(runs / engine / "two-full" / "model")
     assert {p for p, _ in vlmod.mod_layers(model)} == {"language", "vision"}
     model.save_pretrained(tmp_path / "again")  # the file's key names, from the loaded weights
     again = load_file(tmp_path / "again" / "model.safetensors")
@@ -238,8 +301,8 @@ def test_a_sharded_run_saves_in_the_checkpoints_dtype(tmp_path: Path) -> None:
 
 
 def test_lora_is_refused_only_where_the_adapters_cannot_be_merged() -> None:
-    """Before: LoRA under any FSDP (or ZeRO-3) was refused. Now: FSDP2 trains it (the equality
-    test above), and FSDP version 1 and ZeRO-3, which `vlmod` cannot merge from, are refused."""
+    """Before: LoRA under any FSDP or ZeRO-3 was refused. Now: FSDP2 and ZeRO-3 train it (the
+    equality tests above), and FSDP version 1, which vlmod does not gather from, is refused."""
     cfg = SimpleNamespace(trainable="lora")
 
     def accelerator(kind: DistributedType, fsdp2: bool = False, zero: int | None = None) -> SimpleNamespace:
@@ -248,9 +311,9 @@ def test_lora_is_refused_only_where_the_adapters_cannot_be_merged() -> None:
 
     check_lora_sharding(cfg, accelerator(DistributedType.FSDP, fsdp2=True))
     check_lora_sharding(cfg, accelerator(DistributedType.DEEPSPEED, zero=2))
-    for refused in (accelerator(DistributedType.FSDP), accelerator(DistributedType.DEEPSPEED, zero=3)):
-        with pytest.raises(TrainError, match="FSDP version 1 or DeepSpeed ZeRO-3.*fsdp.yaml"):
-            check_lora_sharding(cfg, refused)
+    check_lora_sharding(cfg, accelerator(DistributedType.DEEPSPEED, zero=3))
+    with pytest.raises(TrainError, match="FSDP version 1 shards.*fsdp.yaml \\(FSDP2\\), zero3.yaml"):
+        check_lora_sharding(cfg, accelerator(DistributedType.FSDP))
 
 
 def test_fsdp_version_1_on_a_cpu_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
