@@ -17,6 +17,9 @@ the sums are peft's own merge, in the saved dtype, so it is bit for bit `output_
 from __future__ import annotations
 
 import json
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +27,15 @@ from torch import nn
 
 RECORD = "vlmod_adapter.json"
 TRAINED = "trained.safetensors"
+
+
+@contextmanager
+def peft_quietly() -> Iterator[None]:
+    """Around a call into peft: without the FutureWarning it prints on every wrap, save and load
+    (it reads `is_gradient_checkpointing`, an alias transformers 5.24 deprecated); only that one."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
 
 
 def is_adapter(path: str | Path) -> bool:
@@ -66,7 +78,8 @@ def load_adapter(path: str | Path, base: str | Path | None = None, **from_pretra
             f"{path / TRAINED} holds {unknown[0]}, which {base} lacks: these adapters were trained on another model"
         )
     model.load_state_dict(trained, strict=False)
-    return PeftModel.from_pretrained(model, str(path)).merge_and_unload()
+    with peft_quietly():
+        return PeftModel.from_pretrained(model, str(path)).merge_and_unload()
 
 
-__all__ = ["RECORD", "TRAINED", "is_adapter", "load_adapter"]
+__all__ = ["RECORD", "TRAINED", "is_adapter", "load_adapter", "peft_quietly"]

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vlmod.io.adapters import RECORD, TRAINED
+from vlmod.io.adapters import RECORD, TRAINED, peft_quietly
 from vlmod.training.memory import release_memory
 
 GROUP_BYTES = 256 * 1024**2
@@ -97,9 +97,12 @@ def save_adapter(model: nn.Module, state_dict: dict[str, torch.Tensor], out: Pat
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        model.save_pretrained(str(tmp), state_dict=state_dict, safe_serialization=True)
+        with peft_quietly():
+            model.save_pretrained(str(tmp), state_dict=state_dict, safe_serialization=True)
         save_file(others, str(tmp / TRAINED))
-        record = {"base": str(getattr(base, "name_or_path", "") or base.config._name_or_path),
+        name = str(getattr(base, "name_or_path", "") or base.config._name_or_path)
+        local = Path(name).expanduser()
+        record = {"base": str(local.resolve()) if local.is_dir() else name,  # a folder from anywhere; a hub id as it is
                   "vlmod": getattr(base.config, "vlmod", None), "trained": sorted(others)}
         (tmp / RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     except BaseException:

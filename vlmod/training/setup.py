@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from torch import nn
 from vlmod.api import apply_mod
 from vlmod.data import DataError, LlavaDataset
 from vlmod.errors import TrainError
+from vlmod.io.adapters import peft_quietly
 from vlmod.io.hf import max_positions
 from vlmod.routing.trace import find_parts
 from vlmod.training import memory
@@ -163,12 +163,9 @@ def add_lora(model: nn.Module, cfg: TrainConfig) -> nn.Module:
     pattern = rf".*language_model.*\.({'|'.join(cfg.lora_targets)})"
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, target_modules=pattern)
     try:
-        with warnings.catch_warnings():
-            # The FutureWarning every LoRA run printed (`bench train`, finetune): peft's PeftModel
-            # reads `model.is_gradient_checkpointing`, an alias transformers 5.24 deprecated; what
-            # peft decides from it (an input-grad hook) `drop_input_grads` undoes anyway. Only that
-            # one message, only around this call.
-            warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        # peft_quietly: the FutureWarning every LoRA run printed (`bench train`, finetune); what
+        # peft decides from that alias (an input-grad hook) `drop_input_grads` undoes anyway.
+        with peft_quietly():
             # The adapters' random init from the run's seed alone, not from whatever drew random
             # numbers before (a DeepSpeed ZeRO-3 load does: its adapters started elsewhere than
             # one process's); the rest of the run's draws as they would be without LoRA.
