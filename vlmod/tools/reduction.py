@@ -24,7 +24,7 @@ DART or DivPrune; cheaper than either); on towers whose attention ranks poorly i
 at most its distance from the same spot one frame earlier, so what stayed as it was (a still object,
 the background) is not kept again and the slots go to what appeared, moved or changed (the
 temporal redundancy DyCoke and FastVID prune; video seed 0, MoD stacked on it at 8x: 88.6% by
-deviation -> 94.2% by novelty, trained behind each, all 2,520 questions; docs/results.md).
+deviation -> 94.2% by novelty, trained behind each, all 2,520 questions; docs/results-history.md).
 Selection is the engine's: text is protected, the top-k vision tokens of each row are kept in their original
 order (`vlmod.routing.selection`), and the kept sequence is left-padded for generation.
 
