@@ -14,6 +14,7 @@ from helpers import ROOT
 from safetensors.torch import load_file
 
 import vlmod
+from vlmod.data.synthetic_video import TEMPORAL_TYPES
 from vlmod.errors import InputError
 from vlmod.evaluation.frontier import REACH_TOLERANCE
 from vlmod.recipes.points import REDUCTION_METHODS
@@ -168,6 +169,29 @@ def test_the_quick_recipes_reach_5x_and_8x_or_say_they_cannot(image_run: tuple, 
     assert stack5["gflops"]["vision"] < alone["gflops"]["vision"] == pytest.approx(stack5["gflops"]["vision"], rel=0.01)
 
 
+def test_the_quick_detail_recipe_runs_every_method_at_every_point(tmp_path: Path) -> None:
+    """`vlmod recipe --task detail --quick`: the image task's stages on the fine-detail set (96 px,
+    8 px patches: 144 vision tokens an image), every method at every point or out of reach, the
+    tower pretrained on each patch's digit too, the three detail types scored."""
+    from vlmod.cli import main
+    from vlmod.data.detail import DETAIL_TYPES, MAX_ANSWER_SHARE, answer_share
+
+    out = tmp_path / "detail"
+    assert main(["recipe", "--task", "detail", "--quick", "--out", str(out), "--no-progress"]) == 0
+    saved = json.loads((out / "results.json").read_text())
+    rows = saved["results"]
+    for target in saved["settings"]["targets"]:
+        evaluated = {r["method"] for r in rows if r["target"] == target}
+        missing = {u["method"] for u in saved["out_of_reach"] if u["target"] == target}
+        assert evaluated | missing >= METHODS["image"]
+    dense = next(r for r in rows if r["method"] == "dense")
+    assert set(dense["accuracy_by_type"]) == set(DETAIL_TYPES)
+    records = json.loads((out / "data" / "val.json").read_text())
+    assert all(answer_share(r["meta"], 96, 8) <= MAX_ANSWER_SHARE for r in records)
+    assert "val_patch_digit_accuracy" in json.loads((out / "tower" / "log.json").read_text())
+    assert json.loads((out / "init" / "config.json").read_text())["vision_config"]["image_size"] == 96
+
+
 def test_the_demo_model_installs_from_a_recipe_run(image_run: tuple) -> None:
     out, _ = image_run
     spec = importlib.util.spec_from_file_location("build_demo_model", ROOT / "scripts" / "build_demo_model.py")
@@ -271,6 +295,54 @@ def test_reuse_trained_only_evaluates_again(image_run: tuple, tmp_path: Path) ->
                    reuse_dense=True, reuse_trained=True)
     with pytest.raises(InputError, match="goes with --reuse-dense"):
         run_recipe(tmp_path / "run", settings, progress=False, log=lambda _: None, reuse_trained=True)
+
+
+def test_seeds_runs_each_seed_into_its_folder_and_writes_the_mean_and_worst(image_run: tuple, tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture) -> None:
+    """Before: `vlmod recipe` ran one seed; a table over seeds was put together by hand. Now
+    `--seeds 0,1` runs each seed into OUT/seed-N as a one-seed run writes it and writes one table
+    whose mean and worst are those of the seeds' results.json. Resumed with --reuse-dense
+    --reuse-trained (seed 0 is the module's finished quick run), the finished seed is kept as it is."""
+    import shutil
+
+    from vlmod.cli import main
+
+    out = tmp_path / "seeds"
+    shutil.copytree(image_run[0], out / "seed-0")
+    kept = (out / "seed-0" / "results.json").read_bytes()
+    assert main(["recipe", "--quick", "--no-progress", "--seeds", "0,1", "--out", str(out), "--reuse-dense",
+                 "--reuse-trained"]) == 0
+    said = capsys.readouterr().out
+    assert f"== seed 1 of 2: --seed 0 into {out / 'seed-0'}: finished with these settings, kept" in said
+    assert f"== seed 2 of 2: --seed 1 into {out / 'seed-1'} (nothing to keep there)" in said
+    assert (out / "seed-0" / "results.json").read_bytes() == kept  # not run again
+    runs = [json.loads((out / f"seed-{n}" / "results.json").read_text()) for n in (0, 1)]
+    assert [r["settings"]["seed"] for r in runs] == [0, 1]
+    assert {**runs[1]["settings"], "seed": 0} == runs[0]["settings"]
+    assert all((out / "seed-1" / name).is_file() for name in ("results.md", "frontier.png", "ranks.json"))
+    combined = json.loads((out / "results.json").read_text())
+    assert combined["seeds"] == [0, 1] and combined["runs"] == ["seed-0", "seed-1"]
+    table = (out / "results.md").read_text()
+    assert table.startswith("This run checks the pipeline only, so it gives no verdict (seed 0: ")
+    dense = [next(r for r in run["results"] if r["method"] == "dense") for run in runs]
+    for row in combined["results"]:
+        each = [next((r for r in run["results"] if (r["method"], r["target"]) == (row["method"], row["target"])), None)
+                for run in runs]
+        acc = [r["accuracy"] for r in each if r is not None]
+        assert row["mean"] == pytest.approx(sum(acc) / len(acc)) and row["worst"] == min(acc)
+        if row["method"] != "dense":
+            gaps = []
+            for r, d in zip(each, dense, strict=True):
+                if r is not None:
+                    n = min(len(r["correct"]), len(d["correct"]))
+                    gaps.append(100 * (r["correct"][:n].count("1") - d["correct"][:n].count("1")) / n)
+            assert row["dense_gap_mean"] == pytest.approx(sum(gaps) / len(gaps))
+            assert row["dense_gap_worst"] == pytest.approx(min(gaps))
+        point = "-" if row["target"] is None else f"/{row['target']:g}"
+        assert f"| {row['label']} | {point} | " + " | ".join(
+            "-" if r is None else f"{100 * r['accuracy']:.1f}" for r in each) in table
+    assert {(r["method"], r["target"]) for r in combined["results"]} == {
+        (r["method"], r["target"]) for run in runs for r in run["results"]}
 
 
 def test_the_mod_stage_trains_the_points_up_to_train_up_to(image_run: tuple, video_run: tuple) -> None:
@@ -793,6 +865,33 @@ def test_results_record_the_kernels_versions_and_threads_the_numbers_depend_on(i
     assert f"- machine: torch {torch.__version__}, transformers {transformers.__version__}" in md
     assert f"torch kernels {saved['cpu_capability']} (flags " in md and f"{saved['threads']} thread" in md
     assert ("1 thread;" in md) == (saved["threads"] == 1)  # not "1 threads"
+
+
+def test_the_recipe_checks_its_own_question_sets(image_run: tuple, video_run: tuple) -> None:
+    """Before: results.json and results.md said nothing of whether the set needs the media, leaves
+    the dense model room, or discriminates (issue 59). Now: both hold the set checks (blind
+    ceiling, dense by type and overall, random routing's and the best training-free method's loss
+    at 3x; video also the dense model on one frame, on the baseline questions); a quick run
+    measures them and judges none."""
+    for (out, result), one_frame in ((image_run, False), (video_run, True)):
+        saved = json.loads((out / "results.json").read_text())["set_checks"]
+        names = [c["name"] for c in saved["checks"]]
+        assert names == ["chance", "blind"] + ["one_frame"] * one_frame + [
+            "dense_types", "dense_overall", "random_loss", "training_free_loss"]
+        assert saved["verdict"] is False and saved["pass"] is None  # a quick run gives no verdict
+        checks = {c["name"]: c for c in saved["checks"]}
+        dense = result.row("dense")
+        assert set(checks["blind"]["value"]) == set(dense["accuracy_by_type"])
+        assert checks["dense_overall"]["value"] == pytest.approx(100 * dense["accuracy"])
+        assert checks["random_loss"]["value"] is not None  # the quick recipe evaluates random routing at 3x
+        if one_frame:
+            assert f"(first {result.settings.baseline_samples} questions)" in checks["one_frame"]["label"]
+            assert set(checks["one_frame"]["threshold"]) <= set(TEMPORAL_TYPES)
+            assert "set checks" in result.stages
+        md = (out / "results.md").read_text()
+        table = md.index("Set checks (")
+        assert md.index("| method |") < table < md.index("- converted language layers")
+        assert "| blind ceiling: the best score with no vision tokens |" in md
 
 
 def test_training_flops_count_the_tower_and_the_teacher() -> None:

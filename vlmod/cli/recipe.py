@@ -80,6 +80,23 @@ def _shares(share: float | dict[float, float] | None, named_only: bool = False) 
     return " ".join(named if named_only else [f"{DEFAULT_STACK_SHARE:g}", *named])
 
 
+def seed_list(text: str) -> list[int]:
+    """An argparse type for `--seeds`: a comma list of distinct integer seeds ("0,1,2")."""
+    parts = [p.strip() for p in text.split(",")]
+    if not any(parts):
+        raise argparse.ArgumentTypeError("is empty: give a comma list of seeds, e.g. --seeds 0,1,2")
+    bad = [p for p in parts if not p.lstrip("-").isdigit()]
+    if bad:
+        raise argparse.ArgumentTypeError(f"expected a comma list of integer seeds (e.g. 0,1,2), got {text!r}: "
+                                         f"{bad[0]!r} is not an integer")
+    seeds = [int(p) for p in parts]
+    twice = sorted({n for n in seeds if seeds.count(n) > 1})
+    if twice:
+        raise argparse.ArgumentTypeError(f"gives seed {', '.join(map(str, twice))} more than once in {text!r}: "
+                                         "give each seed once")
+    return seeds
+
+
 def stack_shares(given: list[tuple[float | None, float]], task_default: RecipeSettings,
                  training: bool = False) -> float | dict[float, float]:
     """`--stack-share` (`training`: `--stack-train-share`) as a setting: one share (bare), or every
@@ -115,19 +132,28 @@ def add_recipe_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
 
 def add_recipe_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Flags of `vlmod recipe` / `scripts/synthetic_recipe.py`: a task, its defaults, overrides."""
-    parser.add_argument("--task", default="image", choices=TASKS, help="image or video recipe (default: image)")
+    parser.add_argument("--task", default="image", choices=TASKS,
+                        help="image (shapes), video (clips) or detail (small digits and markers among large shapes, "
+                             "the answer in at most 5%% of the vision tokens) recipe (default: image)")
     parser.add_argument("--out", default=None,
                         help="output folder: new or empty, or an earlier recipe run's with --reuse-dense or --overwrite "
-                             "(default: runs/synthetic-TASK; runs/synthetic-image-isoflop with --isoflop)")
+                             "(default: runs/synthetic-TASK; runs/synthetic-image-isoflop with --isoflop; "
+                             "runs/synthetic-TASK-seeds with --seeds)")
     parser.add_argument("--quick", action="store_true", help="toy sizes: the whole pipeline in under 2 minutes")
-    image, vid = RecipeSettings.for_task("image"), RecipeSettings.for_task("video")
+    image, vid, detail = (RecipeSettings.for_task(t) for t in ("image", "video", "detail"))
     for name, kind, text in _FLAGS:
-        a, b = getattr(image, name), getattr(vid, name)
+        a, b, d = getattr(image, name), getattr(vid, name), getattr(detail, name)
         shown = f"{a}" if a == b else f"image {a}, video {b}"
+        if d != a:
+            shown += f", detail {d}"
         if name == "dense_steps":
             shown += f"; --isoflop {ISOFLOP_DENSE_STEPS}"
         parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, default=None,
                             help=f"{text} (default: {shown})")
+    parser.add_argument("--seeds", type=seed_list, default=None, metavar="N,N,...",
+                        help="run the recipe once per seed into OUT/seed-N (each as --seed N writes it), then one "
+                             "table in OUT/results.md / results.json: each seed's score, the mean and the worst seed "
+                             "(default: none: one seed, --seed)")
     parser.add_argument("--targets", type=finite_float, nargs="+", default=None,
                         help=f"LM prefill FLOPs reductions to reach (default: {' '.join(map(str, image.targets))})")
     parser.add_argument("--stack-share", nargs="+", type=share_at_target, default=None, metavar="[TARGET=]SHARE",
@@ -216,6 +242,9 @@ def run_recipe_command(args: argparse.Namespace) -> int:
         overrides["image_model"] = str(Path(args.image_model).expanduser().resolve())
     if args.isoflop and args.task != "image":
         raise InputError("--isoflop is for --task image (the video recipe's dense model has four stages)")
+    if args.seeds is not None and (args.seed is not None or args.isoflop):
+        clash = "--seed" if args.seed is not None else "--isoflop"
+        raise InputError(f"--seeds runs the frontier recipe once per seed: drop {clash}")
     if args.isoflop and (args.reuse_trained or args.dense_control):
         raise InputError("--isoflop trains its MoD models from scratch: drop --reuse-trained and --dense-control")
     settings = RecipeSettings.for_task(args.task, quick=args.quick, isoflop=args.isoflop, **overrides)
@@ -225,6 +254,8 @@ def run_recipe_command(args: argparse.Namespace) -> int:
                                        stack_train_share=None)
     if args.stack_train_share is not None:
         settings = dataclasses.replace(settings, stack_train_share=stack_shares(args.stack_train_share, settings, True))
+    if args.seeds is not None:
+        return _run_seeds(args, settings)
     from vlmod.io.paths import check_output_dir
     from vlmod.recipes.reuse import check_recipe_out
 
@@ -257,5 +288,22 @@ def _run(args: argparse.Namespace, out: Path, settings: RecipeSettings) -> int:
     return 0
 
 
-__all__ = ["add_recipe_arguments", "add_recipe_parser", "default_out", "run_recipe_command", "share_at_target",
+def _run_seeds(args: argparse.Namespace, settings: RecipeSettings) -> int:
+    """`--seeds`: every seed's run, then the table over them (`vlmod.recipes.seed_runs`)."""
+    from vlmod.recipes.seed_runs import run_seeds, run_seeds_again
+
+    out = Path(args.out or default_out(args.task) + "-seeds").expanduser()
+    try:
+        run_seeds(out, settings, args.seeds, progress=not args.no_progress, reuse_dense=args.reuse_dense,
+                  reuse_trained=args.reuse_trained, overwrite=args.overwrite)
+    except KeyboardInterrupt:
+        print(f"error: interrupted (Ctrl-C); nothing was left half-written; {run_seeds_again(out, args.seeds)}",
+              file=sys.stderr)
+        return EXIT_INTERRUPTED
+    print(f"results over seeds {','.join(map(str, args.seeds))} written to {out / 'results.md'} and results.json; "
+          f"each seed's in {out}/seed-N")
+    return 0
+
+
+__all__ = ["add_recipe_arguments", "add_recipe_parser", "default_out", "run_recipe_command", "seed_list", "share_at_target",
            "stack_shares"]

@@ -99,14 +99,16 @@ def shape_points(shape: str, cx: float, cy: float, r: float) -> list[tuple[float
     raise ValueError(f"unknown shape {shape!r}; shapes: {', '.join(SHAPES)}")
 
 
-def shape_alpha(shape: str, cx: float, cy: float, r: float, size: int) -> np.ndarray:
-    """Coverage [size, size] in [0, 1] of `shape`, anti-aliased by drawing at SUPERSAMPLE x."""
+def shape_alpha(shape: str, cx: float, cy: float, r: float, size: int,
+                origin: tuple[float, float] = (0.0, 0.0)) -> np.ndarray:
+    """Coverage [size, size] in [0, 1] of `shape`, anti-aliased by drawing at SUPERSAMPLE x;
+    `origin`: the picture's pixel at the window's top left (a small shape drawn on a window)."""
     from PIL import Image, ImageDraw
 
-    s = SUPERSAMPLE
+    s, (ox, oy) = SUPERSAMPLE, origin
     canvas = Image.new("L", (size * s, size * s), 0)
     draw = ImageDraw.Draw(canvas)
-    pts = [(x * s, y * s) for x, y in shape_points(shape, cx, cy, r)]
+    pts = [((x - ox) * s, (y - oy) * s) for x, y in shape_points(shape, cx, cy, r)]
     if shape == "circle":
         draw.ellipse(pts, fill=255)
     else:

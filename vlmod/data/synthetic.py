@@ -159,13 +159,14 @@ def image_sample(
 # ----------------------------------------------------------------------------- writing
 
 
-def _balanced_plan(rng: np.random.Generator, n: int, qtypes: Sequence[str]) -> list[tuple[str, str]]:
-    """(type, answer) for n samples: types take turns, answers within a type are equally often
-    (at most one apart) in a seeded random order."""
+def _balanced_plan(rng: np.random.Generator, n: int, qtypes: Sequence[str],
+                   vocab: dict[str, tuple[str, ...]] = ANSWERS) -> list[tuple[str, str]]:
+    """(type, answer) for n samples: types take turns, answers within a type (out of `vocab`)
+    are equally often (at most one apart) in a seeded random order."""
     per_type: dict[str, list[str]] = {}
     for t in qtypes:
         count = len(range(qtypes.index(t), n, len(qtypes)))
-        answers = [ANSWERS[t][k % len(ANSWERS[t])] for k in range(count)]
+        answers = [vocab[t][k % len(vocab[t])] for k in range(count)]
         per_type[t] = [answers[int(i)] for i in rng.permutation(count)]
     cursor = dict.fromkeys(qtypes, 0)
     plan = []

@@ -34,12 +34,14 @@ def chance_accuracy(question_types: Iterable[str]) -> float | None:
     """Chance accuracy of the synthetic question types (one answer of each type's options, the
     types weighted alike, as the balanced synthetic sets are); None for a type that is not a
     synthetic one (real data: chance unknown)."""
+    from vlmod.data.detail import DETAIL_ANSWERS
     from vlmod.data.scenes import ANSWERS
 
+    vocab = {**ANSWERS, **DETAIL_ANSWERS}  # the shapes, clip and fine-detail sets' types
     types = list(question_types)
-    if not types or any(t not in ANSWERS for t in types):
+    if not types or any(t not in vocab for t in types):
         return None
-    return sum(1.0 / len(ANSWERS[t]) for t in types) / len(types)
+    return sum(1.0 / len(vocab[t]) for t in types) / len(types)
 
 
 def verdict_evidence(accuracy: float, questions: int, chance: float | None, who: str = "dense") -> Evidence:

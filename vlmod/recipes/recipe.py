@@ -3,7 +3,8 @@
 `--task image`: a tiny LLaVA on the synthetic shapes set; `--task video`: a tiny
 LLaVA-NeXT-Video on synthetic clips through the real video path (the processor's video inputs,
 `pixel_values_videos`, video tokens routable), 8 frames a clip, with questions most of which
-need several frames (`vlmod.data.synthetic_video`).
+need several frames (`vlmod.data.synthetic_video`); `--task detail`: the image task's stages on the
+fine-detail set, whose answers rest on at most 5% of the vision tokens (`vlmod.data.detail`).
 
 1. generate the data; 2. train the model dense from scratch (tower included; `tower_steps`: the
 tower first learns what each image patch shows, `vlmod.training.tower_pretrain`; video: first a LLaVA of
@@ -43,10 +44,13 @@ from transformers import AutoProcessor
 
 from vlmod.bench.timing import keeps_threads
 from vlmod.data import LlavaDataset, load_records
+from vlmod.data.detail import generate_detail
 from vlmod.data.synthetic import generate
+from vlmod.data.synthetic_video import TEMPORAL_TYPES
 from vlmod.errors import InputError
 from vlmod.evaluation import frontier
 from vlmod.evaluation.evaluate import evaluate
+from vlmod.evaluation.set_checks import check_recipe_sets, format_set_checks, one_frame_report
 from vlmod.io.files import save_pretrained_atomic, write_json, write_text
 from vlmod.io.hf import load_pretrained, max_positions
 from vlmod.models import tiny
@@ -178,6 +182,9 @@ class _Recipe(PointEvaluations):
             generate(self.data, 0 if s.image_model else s.num_train_images, 0, image_size=s.image_size,
                      distractors=s.distractors, seed=s.seed, captions=s.captions, video=True, num_videos=s.num_train,
                      num_val_videos=s.num_val, num_frames=s.frames, progress=self.progress)
+        elif s.task == "detail":  # the fine-detail set: the image task's stages on small glyphs and markers
+            generate_detail(self.data, s.num_train, s.num_val, image_size=s.image_size, patch_size=s.patch_size,
+                            seed=s.seed, progress=self.progress)
         else:
             generate(self.data, s.num_train, s.num_val, image_size=s.image_size, distractors=s.distractors, seed=s.seed,
                      captions=s.captions, progress=self.progress)
@@ -420,6 +427,12 @@ class _Recipe(PointEvaluations):
 
     def write_results(self) -> RecipeResult:
         self.record_costs()
+        s, video = self.s, self.video
+        one_frame = (lambda: one_frame_report(self.dense_model, self.processor, self.val_json, s.frames,
+                                              s.baseline_samples, s.eval_batch_size, self.progress)) if video else None
+        self.result.set_checks = self.stages.run("set checks", lambda: check_recipe_sets(
+            self.result.rows, self.train_json, self.val_json, TEMPORAL_TYPES if video else (), one_frame,
+            frontier.rows_evidence(self.result.rows).enough, self.log))
         write_json(self.out / "results.json", self.result.to_dict(), strict=True)  # no NaN: strict parsers read it
         table = format_results(self.result)
         write_text(self.out / "results.md", table + "\n")
@@ -430,8 +443,7 @@ class _Recipe(PointEvaluations):
 
 
 def format_results(result: RecipeResult) -> str:
-    """results.md: the frontier table, the verdicts and the stage times."""
-    from vlmod.data.synthetic_video import TEMPORAL_TYPES
+    """results.md: the frontier table, the set checks, the verdicts and the stage times."""
     from vlmod.evaluation.frontier import FRONTIER_GOALS, format_frontier, rows_evidence, verdicts
 
     s = result.settings
@@ -441,6 +453,8 @@ def format_results(result: RecipeResult) -> str:
     lines += [format_frontier(result.rows, temporal, result.unreachable), ""]
     if temporal:
         lines += ["(* needs several frames)", ""]
+    if result.set_checks:
+        lines += [format_set_checks(result.set_checks, temporal), ""]
     lines.append(f"- converted language layers {result.layers} of {s.layers}; ARank normalised ranks "
                  f"{[round(r, 3) for r in result.ranks]}")
     dense = result.row("dense")

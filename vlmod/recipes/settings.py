@@ -12,11 +12,14 @@ from typing import Any
 
 import torch
 
+from vlmod.data.detail import DEFAULT_IMAGE_SIZE as DETAIL_IMAGE_SIZE
+from vlmod.data.detail import DEFAULT_PATCH_SIZE as DETAIL_PATCH_SIZE
+from vlmod.data.detail import check_resolution
 from vlmod.data.scenes import MAX_DISTRACTORS
 from vlmod.errors import InputError
 from vlmod.tools.reduction import SCORINGS
 
-TASKS = ("image", "video")
+TASKS = ("image", "video", "detail")  # detail: the fine-detail set (`vlmod.data.detail`)
 VIDEO_POOLS = ("average", "max", "conv")
 # The isoFLOP check's dense steps: its MoD runs take 1.44x (the paper's setting) and 2.12x (3x
 # point) as many at the same training FLOPs, and on this project's CPU a MoD step took 1.15x and
@@ -45,7 +48,7 @@ class RecipeSettings:
     video_pool: str = "average"
     # Extra shapes in the image scenes (0: one shape a colour / shape / position question). Video with 2
     # (the image stage then asks which of several objects): seed 1's `order` still at chance, seed 0's
-    # 91.9 -> 74.2% at stage 3 (docs/results.md, "Image scenes with distractors do not teach it").
+    # 91.9 -> 74.2% at stage 3 (docs/results-history.md, "Image scenes with distractors do not teach it").
     distractors: int = 0
     captions: bool = False
     width: int = 128
@@ -83,7 +86,7 @@ class RecipeSettings:
     stacked: bool = True  # MoD stacked on pre-LLM reduction at every point (`vlmod.evaluation.frontier.solve_stacked`)
     # The pre-LLM reduction's share of a stacked point's reduction, in log terms (0.5: each does the
     # square root), MoD the rest: one share for every point, or {target: share} (a target it does
-    # not name: DEFAULT_STACK_SHARE). Video seed 0 (docs/results.md): by attention, 0.5 was best
+    # not name: DEFAULT_STACK_SHARE). Video seed 0 (docs/results-history.md): by attention, 0.5 was best
     # at 5x (first 420: 93.8%; 92.6% at 0.85) and 8x wanted more (0.5: 77.1%, 0.85: 88.8%); by
     # novelty the reduction takes 0.85 everywhere (the stage trained at 0.5 / 0.85, all 2,520
     # questions, 5x at share 0.5 / 0.7 / 0.85 / 0.95: 93.1 / 94.0 / 94.4 / 94.3%, 3x 93.2 -> 93.7%).
@@ -107,7 +110,7 @@ class RecipeSettings:
     # reduction, each step at the (keep, capacity) of one stacked point past `train_up_to`; 0: the
     # MoD model runs stacked as it was trained (it never saw a reduced input, nor 8x's capacity).
     # Video seed 0, 8x: 65.0% without it; 68.6% after 500 steps at 2.5e-4 over every stacked
-    # point; 77.1% after 1,000 at 5e-4 over the far points alone (docs/results.md).
+    # point; 77.1% after 1,000 at 5e-4 over the far points alone (docs/results-history.md).
     stack_steps: int = 1000
     stack_lr: float = 5e-4
     # That stage draws the stacked points past this LM FLOPs reduction; None: past `train_up_to`
@@ -123,19 +126,23 @@ class RecipeSettings:
 
     @classmethod
     def for_task(cls, task: str, quick: bool = False, isoflop: bool = False, **overrides: Any) -> RecipeSettings:
-        """The defaults of `task` ("image" or "video"); `quick`: toy sizes that run the whole
+        """The defaults of `task` ("image", "video" or "detail"); `quick`: toy sizes that run the whole
         pipeline in well under two minutes (for tests; its accuracies mean nothing); `isoflop`:
         the isoFLOP check's (`vlmod.recipes.isoflop`), whose dense stage is shorter
         (ISOFLOP_DENSE_STEPS) so that it and the two MoD runs of its FLOPs fit about an hour."""
         if task not in TASKS:
             raise InputError(f"--task must be one of {', '.join(TASKS)}, got {task!r}")
         base: dict[str, Any] = {"task": task}
-        if task == "image":
+        if task == "detail":
+            # The shapes recipe's stages on the fine-detail set, at the resolution where its answers stay
+            # within 5% of the vision tokens (96 px, 8 px patches: 144 tokens; docs/data.md).
+            base.update(image_size=DETAIL_IMAGE_SIZE, patch_size=DETAIL_PATCH_SIZE)
+        if task in ("image", "detail"):
             # Tower pretraining: the dense model 91.6% -> 99.5% (shape 71.0% -> 98.3% at stage 3; seed 0, all
             # 2,400 questions). Refinement, which lifted video's `when`, left it at 99.5%: not on.
             # The stacked stage 2,000 steps, not 1,000: 5x 98.4% -> 99.5% (the last run's MoD model trained
             # behind the reduction again); the recipe with it: 99.2% at 5x, -0.4 against dense (seed 0,
-            # all 2,400 questions; docs/results.md).
+            # all 2,400 questions; docs/results.md, the probe in docs/results-history.md).
             base.update(stack_train_from=1.0, tower_steps=1500, stack_steps=2000)
         if isoflop:
             # The check as docs/results.md reports it: MoD and dense from the same random tower.
@@ -144,7 +151,7 @@ class RecipeSettings:
             # mod_lr 5e-4, not 1e-3: at 1e-3 the MoD stage's loss spikes right after the warm-up
             # (steps 125-225), and whether it recovers turns on float rounding: the same 1,500 steps
             # gave 93.8% at 3x with one build and 87.9% with another whose losses matched the first
-            # to 1e-7. At 5e-4 neither build spikes (docs/results.md, "The video regression").
+            # to 1e-7. At 5e-4 neither build spikes (docs/results-history.md, "The video regression").
             # router_lr 1e-3, not 5e-3: at 5e-3 seed 1's MoD stage diverged at step 600 (loss 0.12 -> 1.60;
             # 75.5% at 3x, the stack 73.2% at 5x); at 1e-3 seed 1 scores 80.6% at 3x and 80.0% at 5x and
             # 8x (dense 81.0%), and seed 0 95.0% at 3x, 94.5% at 5x, 94.4% at 8x (dense 94.5%).
@@ -156,7 +163,7 @@ class RecipeSettings:
             # Every compute point of the full recipe, and its depth and vision tokens per sample (64 an
             # image, 128 a clip: 8 frames of 16), so the same points are within (or out of) each method's reach.
             base.update(
-                num_train=32 if task == "image" else 28, num_val=8 if task == "image" else 7, width=64,
+                num_train=28 if task == "video" else 32, num_val=7 if task == "video" else 8, width=64,
                 vision_width=32, dense_steps=3, mod_steps=2, rank_samples=4, batch_size=8, eval_batch_size=16,
                 # Matrices this small run faster on one thread: a second one's sync costs more than
                 # its share of the work (an eval of 4 clips took 4.0 s on two threads, 0.3 s on one,
@@ -197,6 +204,8 @@ class RecipeSettings:
         if not 0 <= self.distractors <= MAX_DISTRACTORS:
             raise InputError(f"distractors is the number of extra shapes in an image scene, 0 to {MAX_DISTRACTORS}, got "
                              f"{self.distractors}")
+        if self.task == "detail":  # answers within 5% of the vision tokens, else refused before any stage
+            check_resolution(self.image_size, self.patch_size)
         if self.task == "video" and self.frames < 2:  # else the data stage's ValueError, as a traceback
             raise InputError(f"frames is the frames of a clip, >= 2 for the video task's moving objects, got "
                              f"{self.frames}")
@@ -219,7 +228,7 @@ class RecipeSettings:
 
     @property
     def family(self) -> str:
-        return "llava" if self.task == "image" else "llava_next_video"
+        return "llava_next_video" if self.task == "video" else "llava"
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -273,6 +282,7 @@ class RecipeResult:
     ceilings: dict[str, float] = field(default_factory=dict)  # each method's largest LM FLOPs reduction
     unreachable: list[dict[str, Any]] = field(default_factory=list)  # (method, point)s past their ceiling
     training: dict[str, dict[str, Any] | None] = field(default_factory=dict)  # a training stage's cost
+    set_checks: dict[str, Any] = field(default_factory=dict)  # `vlmod.evaluation.set_checks`
 
     def row(self, method: str, target: float | None = None) -> dict[str, Any]:
         return next(r for r in self.rows if r["method"] == method and r["target"] == target)
@@ -288,6 +298,7 @@ class RecipeResult:
             "results": self.rows,
             "stage_seconds": self.stages,
             "training_stages": self.training,
+            "set_checks": self.set_checks,
             "total_seconds": sum(self.stages.values()),
             "machine": machine(),
         }

@@ -27,6 +27,7 @@ from vlmod.errors import InputError
 from vlmod.io.files import save_pretrained_atomic, write_json
 
 MIN_COVER = 0.2  # a patch shows an object when the object covers at least this share of it
+NO_DIGIT = 10  # a patch that shows no glyph (fine-detail set)
 COLOR_NAMES = tuple(COLORS)
 
 
@@ -49,22 +50,46 @@ def patch_targets(objects: list[dict[str, Any]], image_size: int, patch_size: in
     return targets
 
 
+def glyph_targets(glyphs: list[dict[str, Any]], image_size: int, patch_size: int) -> np.ndarray:
+    """[patches] int64: the digit each patch shows (a fine-detail glyph's box touches it,
+    `vlmod.data.detail`), else 10 (none)."""
+    from vlmod.data.detail import box_patches
+
+    targets = np.full((image_size // patch_size) ** 2, NO_DIGIT, dtype=np.int64)
+    for g in glyphs:
+        targets[box_patches(g["box"], image_size, patch_size)] = g["digit"]
+    return targets
+
+
 def scene_images(data_json: str | Path, image_size: int, patch_size: int) -> tuple[list[Any], np.ndarray]:
     """The distinct images of a synthetic image set (`vlmod data synthetic`) and their patch
-    targets [n, 2, patches]: the scenes' object records are the labels."""
+    targets [n, 2, patches]: the scenes' object records are the labels. A fine-detail set
+    (`vlmod.data.detail`, its records list `glyphs`) gets a third row, each patch's digit, and a
+    glyph's patch has the glyph's colour (the question names the glyph by it)."""
     data_json = Path(data_json).expanduser()
     seen: dict[str, list[dict[str, Any]]] = {}
+    digits: dict[str, list[dict[str, Any]]] = {}
     for i, raw in enumerate(read_json_records(data_json)):
         meta, image = raw.get("meta") or {}, raw.get("image")
         if not isinstance(image, str) or "objects" not in meta:
             raise InputError(f"{data_json}: record {i} is not a synthetic scene (an 'image' and meta.objects); "
                              "tower pretraining needs `vlmod data synthetic` images")
         seen.setdefault(image, meta["objects"])
+        if "glyphs" in meta:
+            digits.setdefault(image, meta["glyphs"])
     images = [load_image(resolve_image_path(p, data_json.parent)) for p in seen]
     if images and images[0].size != (image_size, image_size):
         raise InputError(f"{data_json}: images are {images[0].size[0]} px, the tower reads {image_size} px; "
                          "generate the data at the tower's image size")
     targets = np.stack([patch_targets(objs, image_size, patch_size) for objs in seen.values()])
+    if digits:  # the glyphs are what a fine-detail question reads: the tower learns their digit and colour
+        from vlmod.data.detail import box_patches
+
+        glyph_rows = np.stack([glyph_targets(digits.get(p, []), image_size, patch_size) for p in seen])
+        targets = np.concatenate([targets, glyph_rows[:, None]], axis=1)
+        for row, path in zip(targets, seen, strict=True):
+            for g in digits.get(path, []):
+                row[1, box_patches(g["box"], image_size, patch_size)] = COLOR_NAMES.index(g["color"])
     return images, targets
 
 
@@ -100,7 +125,8 @@ def pretrain_tower(model_dir: str | Path, data_json: str | Path, out: str | Path
     pixels = processor.image_processor(images=images, return_tensors="pt")["pixel_values"]
     labels = torch.from_numpy(targets)
     train_n = len(images) - n_val
-    head = torch.nn.Linear(vcfg.hidden_size, len(SHAPES) + 1 + len(COLORS) + 1)
+    with_digits = labels.shape[1] == 3
+    head = torch.nn.Linear(vcfg.hidden_size, len(SHAPES) + 1 + len(COLORS) + 1 + (NO_DIGIT + 1) * with_digits)
     torch.manual_seed(seed)
     torch.nn.init.normal_(head.weight, std=0.02)
     torch.nn.init.zeros_(head.bias)
@@ -110,20 +136,22 @@ def pretrain_tower(model_dir: str | Path, data_json: str | Path, out: str | Path
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / warm, 0.5 * (1 + math.cos(
         math.pi * max(0, s - warm) / max(1, steps - warm)))))
     gen = torch.Generator().manual_seed(seed)
-    split = len(SHAPES) + 1
+    split, split2 = len(SHAPES) + 1, len(SHAPES) + len(COLORS) + 2
 
-    def logits(px: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def logits(px: torch.Tensor) -> tuple[torch.Tensor, ...]:
         h = head(tower(px).last_hidden_state[:, 1:])  # the patches (the projector drops CLS)
-        return h[..., :split], h[..., split:]
+        return h[..., :split], h[..., split:split2], h[..., split2:]
 
     tower.train()
     start, losses = time.perf_counter(), []
     bar = tqdm(range(steps), desc="pretrain tower", unit="step", disable=not progress)
     for step in bar:
         idx = torch.randint(0, train_n, (batch_size,), generator=gen)
-        shape_logits, color_logits = logits(pixels[idx])
+        shape_logits, color_logits, digit_logits = logits(pixels[idx])
         loss = F.cross_entropy(shape_logits.flatten(0, 1), labels[idx, 0].flatten()) + F.cross_entropy(
             color_logits.flatten(0, 1), labels[idx, 1].flatten())
+        if with_digits:
+            loss = loss + F.cross_entropy(digit_logits.flatten(0, 1), labels[idx, 2].flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -134,12 +162,13 @@ def pretrain_tower(model_dir: str | Path, data_json: str | Path, out: str | Path
             bar.set_postfix(loss=f"{losses[-1]['loss']:.3f}")
     tower.eval()
     with torch.no_grad():
-        shape_logits, color_logits = logits(pixels[train_n:])
+        shape_logits, color_logits, digit_logits = logits(pixels[train_n:])
     log = {
         "model": str(model_dir), "data": str(data_json), "steps": steps, "batch_size": batch_size, "lr": lr,
         "weight_decay": weight_decay, "seed": seed, "train_images": train_n, "val_images": n_val,
         "val_patch_shape_accuracy": _accuracy(shape_logits, labels[train_n:, 0], len(SHAPES)),
         "val_patch_color_accuracy": _accuracy(color_logits, labels[train_n:, 1], len(COLORS)),
+        **({"val_patch_digit_accuracy": _accuracy(digit_logits, labels[train_n:, 2], NO_DIGIT)} if with_digits else {}),
         "seconds": time.perf_counter() - start, "losses": losses,
     }
     save_pretrained_atomic(model, processor, out / "model")
@@ -147,4 +176,4 @@ def pretrain_tower(model_dir: str | Path, data_json: str | Path, out: str | Path
     return log
 
 
-__all__ = ["MIN_COVER", "patch_targets", "pretrain_tower", "scene_images"]
+__all__ = ["MIN_COVER", "NO_DIGIT", "glyph_targets", "patch_targets", "pretrain_tower", "scene_images"]

@@ -1,0 +1,148 @@
+"""The fine-detail set (`vlmod.data.detail`): answers that rest on at most 5% of the vision tokens."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from vlmod.data.detail import (
+    DETAIL_ANSWERS,
+    DETAIL_TYPES,
+    MAX_ANSWER_SHARE,
+    answer_share,
+    box_patches,
+    check_resolution,
+    generate_detail,
+    glyph_mask,
+)
+from vlmod.errors import InputError
+
+
+@pytest.fixture(scope="module")
+def detail_set(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("detail")
+    generate_detail(out, num_train=60, num_val=30, seed=3)
+    return out
+
+
+def _records(folder: Path, split: str) -> list[dict]:
+    return json.loads((folder / f"{split}.json").read_text())
+
+
+def test_the_same_seed_writes_the_same_bytes(detail_set: Path, tmp_path: Path) -> None:
+    generate_detail(tmp_path / "again", num_train=60, num_val=30, seed=3)
+    generate_detail(tmp_path / "other", num_train=60, num_val=30, seed=4)
+    files = sorted(p.relative_to(detail_set) for p in detail_set.rglob("*") if p.is_file())
+    assert len(files) == 60 + 30 + 3
+    for rel in files:
+        assert (tmp_path / "again" / rel).read_bytes() == (detail_set / rel).read_bytes(), rel
+    assert (tmp_path / "other" / "train.json").read_bytes() != (detail_set / "train.json").read_bytes()
+
+
+def test_every_answer_rests_on_at_most_5_percent_of_the_vision_tokens(detail_set: Path) -> None:
+    """Every record of both splits, at the set's resolution (96 px, 8 px patches: 144 tokens):
+    the patches its answer boxes touch are the ones it records, at most 5% of the tokens."""
+    meta = json.loads((detail_set / "meta.json").read_text())
+    size, patch = meta["image_size"], meta["patch_size"]
+    assert (size, patch) == (96, 8)
+    for split in ("train", "val"):
+        for r in _records(detail_set, split):
+            m = r["meta"]
+            assert answer_share(m, size, patch) <= MAX_ANSWER_SHARE
+            assert len(m["answer_patches"]) / (size // patch) ** 2 == answer_share(m, size, patch)
+            assert sorted({p for b in m["answer_boxes"] for p in box_patches(b, size, patch)}) == m["answer_patches"]
+            # One patch an item: a glyph or marker never straddles two patches.
+            assert all(len(box_patches(b, size, patch)) == 1 for b in m["answer_boxes"])
+            answer = r["conversations"][-1]["value"]
+            expected_items = DETAIL_ANSWERS["count_small"].index(answer) if m["type"] == "count_small" else 1
+            assert len(m["answer_patches"]) == expected_items
+
+
+def test_answers_are_in_the_vocabulary_balanced_and_in_the_tiny_tokenizer(detail_set: Path) -> None:
+    from vlmod.models.tiny import WORDS
+
+    records = _records(detail_set, "train")
+    assert [r["meta"]["type"] for r in records[:6]] == list(DETAIL_TYPES) * 2
+    for qtype in DETAIL_TYPES:
+        answers = [r["conversations"][-1]["value"] for r in records if r["meta"]["type"] == qtype]
+        assert set(answers) <= set(DETAIL_ANSWERS[qtype])
+        counts = [answers.count(a) for a in DETAIL_ANSWERS[qtype]]
+        assert max(counts) - min(counts) <= 1
+    words = {w for r in records for turn in r["conversations"] for w in turn["value"].replace("<image>", "").split()}
+    assert words <= set(WORDS)
+
+
+def test_the_question_names_one_item_and_its_box_holds_the_answer(detail_set: Path) -> None:
+    """The asked colour names one glyph (digit), the asked digit one glyph (small_color), the asked
+    colour only the markers counted (count_small); the answer's boxes are where those items were
+    drawn (a glyph's pixels are its bitmap in its colour), so the share is computed from the
+    geometry the answer rests on."""
+    from vlmod.data.scenes import COLORS
+
+    for r in _records(detail_set, "train") + _records(detail_set, "val"):
+        m, answer = r["meta"], r["conversations"][-1]["value"]
+        words = r["conversations"][0]["value"].split()
+        img = np.asarray(Image.open(detail_set / r["image"]), dtype=np.int16)
+        if m["type"] == "count_small":
+            color = words[words.index("small") + 1]
+            counted = [o for o in m["objects"] if o.get("small") and o["color"] == color]
+            assert len(counted) == DETAIL_ANSWERS["count_small"].index(answer)
+            assert sorted(o["box"] for o in counted) == sorted(m["answer_boxes"])
+            assert all(g["color"] != color for g in m["glyphs"])
+            continue
+        if m["type"] == "digit":
+            (target,) = [g for g in m["glyphs"] if g["color"] == words[words.index("the") + 1]]
+            assert DETAIL_ANSWERS["digit"][target["digit"]] == answer
+        else:
+            (target,) = [g for g in m["glyphs"] if DETAIL_ANSWERS["digit"][g["digit"]] == words[words.index("the") + 1]]
+            assert target["color"] == answer
+        assert m["answer_boxes"] == [target["box"]]
+        x0, y0, x1, y1 = target["box"]
+        drawn = (img[y0:y1, x0:x1] == np.array(COLORS[target["color"]])).all(axis=-1)
+        assert np.array_equal(drawn, glyph_mask(target["digit"]))
+
+
+def test_a_resolution_whose_answers_exceed_5_percent_is_refused_in_one_line(tmp_path: Path,
+                                                                            capsys: pytest.CaptureFixture) -> None:
+    """64 px at 8 px patches is 64 tokens: four markers would be 6.2% of them. The recipe refuses
+    it before any stage (no folder made), as the generator does."""
+    from vlmod.cli import main
+
+    with pytest.raises(InputError, match=r"up to 6.2% of the 64 vision tokens, over 5%: give an image size of at least 72"):
+        check_resolution(64, 8)
+    with pytest.raises(InputError, match="patch size >= 8"):
+        generate_detail(tmp_path / "set", 3, 3, image_size=96, patch_size=4)
+    check_resolution(72, 8)
+    assert main(["recipe", "--task", "detail", "--quick", "--image-size", "64", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: at image 64 px, patch 8 px the fine-detail answers cover up to 6.2%")
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
+def test_the_tower_learns_each_patchs_digit_on_a_detail_set(detail_set: Path) -> None:
+    """Tower pretraining reads a detail set's glyphs as a third label row (each patch's digit, 10:
+    none), and a glyph's patch is labelled with the glyph's colour, which the questions name it by."""
+    from vlmod.data.scenes import COLORS
+    from vlmod.training.tower_pretrain import NO_DIGIT, scene_images
+
+    images, targets = scene_images(detail_set / "train.json", 96, 8)
+    records = _records(detail_set, "train")
+    assert len(images) == len(records) and targets.shape == (len(records), 3, 144)
+    for r, t in zip(records, targets, strict=True):
+        expected = np.full(144, NO_DIGIT)
+        for g in r["meta"]["glyphs"]:
+            expected[box_patches(g["box"], 96, 8)] = g["digit"]
+            assert t[1, box_patches(g["box"], 96, 8)].tolist() == [list(COLORS).index(g["color"])]
+        assert np.array_equal(t[2], expected)
+    assert sum((t[2] != NO_DIGIT).sum() for t in targets) == sum(len(r["meta"]["glyphs"]) for r in records)
+
+
+def test_chance_of_the_detail_types_is_known() -> None:
+    """So a detail run's verdict rule counts points above chance, as on the shapes set."""
+    from vlmod.evaluation.evidence import chance_accuracy
+
+    assert chance_accuracy(DETAIL_TYPES) == pytest.approx((1 / 10 + 1 / 5 + 1 / 6) / 3)

@@ -1,0 +1,291 @@
+"""A fine-detail image set: the answer sits in a few patches of a busy picture.
+
+The shapes set (`vlmod.data.synthetic`) is saturated: its answer is one large shape, so every
+method that keeps that shape's tokens wins. Here the answer rests on at most `MAX_ANSWER_SHARE`
+(5%) of the vision tokens, as on the text-rich benchmarks (TextVQA, OCR sets) where
+training-free pruning loses most: one 5 x 7 px digit of a few to read, or a few 4 px markers to
+count, in a busy picture of 4-6 large coloured shapes, 5-8 other coloured digits and other small
+markers on the shapes set's striped, noisy background.
+
+=============  ==========================================  ======================================
+type           question                                    answers
+=============  ==========================================  ======================================
+digit          what is the {color} number ?                zero ... nine
+count_small    how many small {color} objects are there ?  zero one two three four
+small_color    what color is the {digit} ?                 red green blue yellow purple orange
+=============  ==========================================  ======================================
+
+The question names its item uniquely (the only digit of that colour, the only glyph of that
+digit, the only small things of that colour), so the other digits and markers are clutter as
+salient as the answer: a ranking that does not read the question keeps them as readily. Each
+glyph or marker lies inside one patch cell (the picture's grid of `patch_size` cells) that no
+large shape touches, and no two touch, so the answer's patches are known from the drawing:
+every record's `meta` carries `answer_boxes` (pixel boxes) and `answer_patches` (row-major patch
+indices at the set's patch size); `answer_share` gives their share of the vision tokens at any
+resolution. Digits are drawn from a hand-made 5 x 7 bitmap font (scaled by patch_size // 8), so
+no TrueType font is involved.
+
+Answers are balanced within each type and types take turns (`synthetic._balanced_plan`); the
+same seed gives the same bytes; files as the shapes set writes them (`train.json`, `val.json`,
+`images/{train,val}/NNNNNN.png`, `meta.json`), each record's `meta.objects` the shapes drawn
+(large ones and markers, as the tower pretraining reads them) and `meta.glyphs` every digit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from vlmod.data.scenes import COLORS, COUNTS, SHAPES, background, shape_alpha, to_uint8
+from vlmod.errors import InputError
+
+DIGITS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+DETAIL_TYPES = ("digit", "count_small", "small_color")
+DETAIL_ANSWERS: dict[str, tuple[str, ...]] = {
+    "digit": DIGITS,
+    "count_small": ("zero", *COUNTS),
+    "small_color": tuple(COLORS),
+}
+DETAIL_QUESTIONS: dict[str, str] = {
+    "digit": "what is the {color} number ?",
+    "count_small": "how many small {color} objects are there ?",
+    "small_color": "what color is the {digit} ?",
+}
+MAX_ANSWER_SHARE = 0.05
+MAX_ITEMS = 4  # the most answer patches a question rests on (count_small's "four")
+MIN_PATCH = 8  # a 5 x 7 glyph and its jitter fit inside one patch
+DEFAULT_IMAGE_SIZE, DEFAULT_PATCH_SIZE = 96, 8  # 12 x 12 = 144 vision tokens: 4 patches are 2.8%
+LARGE = (4, 6)  # large shapes a picture
+CLUTTER_GLYPHS = (5, 8)  # glyphs a picture besides the one asked about (as many as find room)
+MARKER_RADIUS = 2.5  # a small marker's outer radius at patch size 8: a 4 px square
+
+# 5 x 7 bitmaps, one string of 5 bits a row.
+FONT: dict[int, tuple[str, ...]] = {
+    0: ("01110", "10001", "10011", "10101", "11001", "10001", "01110"),
+    1: ("00100", "01100", "00100", "00100", "00100", "00100", "01110"),
+    2: ("01110", "10001", "00001", "00010", "00100", "01000", "11111"),
+    3: ("11111", "00010", "00100", "00010", "00001", "10001", "01110"),
+    4: ("00010", "00110", "01010", "10010", "11111", "00010", "00010"),
+    5: ("11111", "10000", "11110", "00001", "00001", "10001", "01110"),
+    6: ("00110", "01000", "10000", "11110", "10001", "10001", "01110"),
+    7: ("11111", "00001", "00010", "00100", "01000", "01000", "01000"),
+    8: ("01110", "10001", "10001", "01110", "10001", "10001", "01110"),
+    9: ("01110", "10001", "10001", "01111", "00001", "00010", "01100"),
+}
+GLYPH_W, GLYPH_H = 5, 7
+
+
+def glyph_mask(digit: int, scale: int = 1) -> np.ndarray:
+    """[7 * scale, 5 * scale] bool: the digit's pixels in the bitmap font."""
+    rows = np.array([[c == "1" for c in row] for row in FONT[digit]], dtype=bool)
+    return rows.repeat(scale, axis=0).repeat(scale, axis=1)
+
+
+def check_resolution(image_size: int, patch_size: int) -> None:
+    """InputError (one line) unless every question's answer fits MAX_ANSWER_SHARE of the vision
+    tokens: at most MAX_ITEMS patches of (image_size / patch_size)^2."""
+    if patch_size < MIN_PATCH or image_size % patch_size:
+        raise InputError(f"the fine-detail set needs a patch size >= {MIN_PATCH} px dividing the image size, got "
+                         f"image {image_size} px, patch {patch_size} px: give e.g. --image-size "
+                         f"{DEFAULT_IMAGE_SIZE} --patch-size {DEFAULT_PATCH_SIZE}")
+    grid = image_size // patch_size
+    if MAX_ITEMS / grid**2 > MAX_ANSWER_SHARE:
+        need = int(np.ceil(np.sqrt(MAX_ITEMS / MAX_ANSWER_SHARE))) * patch_size
+        raise InputError(f"at image {image_size} px, patch {patch_size} px the fine-detail answers cover up to "
+                         f"{100 * MAX_ITEMS / grid**2:.1f}% of the {grid**2} vision tokens, over "
+                         f"{100 * MAX_ANSWER_SHARE:g}%: give an image size of at least {need} px")
+
+
+def box_patches(box: Sequence[float], image_size: int, patch_size: int) -> list[int]:
+    """Row-major indices of the patches a pixel box [x0, y0, x1, y1) touches."""
+    grid = image_size // patch_size
+    x0, y0, x1, y1 = box
+    cols = range(int(x0 // patch_size), min(grid - 1, int(np.ceil(x1 / patch_size)) - 1) + 1)
+    rows = range(int(y0 // patch_size), min(grid - 1, int(np.ceil(y1 / patch_size)) - 1) + 1)
+    return [r * grid + c for r in rows for c in cols]
+
+
+def answer_share(meta: dict[str, Any], image_size: int, patch_size: int) -> float:
+    """Share of the (image_size / patch_size)^2 vision tokens that the record's answer boxes touch."""
+    patches = {p for box in meta["answer_boxes"] for p in box_patches(box, image_size, patch_size)}
+    return len(patches) / (image_size // patch_size) ** 2
+
+
+def _free_cells(alphas: list[np.ndarray], size: int, patch: int) -> np.ndarray:
+    """[grid, grid] bool: the patch cells (off the picture's border) that no large shape (its
+    coverage in `alphas`) touches."""
+    cover = np.sum(alphas, axis=0) if alphas else np.zeros((size, size), dtype=np.float32)
+    g = size // patch
+    free = cover.reshape(g, patch, g, patch).max(axis=(1, 3)) == 0.0
+    free[0, :] = free[-1, :] = free[:, 0] = free[:, -1] = False
+    return free
+
+
+def _pick_cells(rng: np.random.Generator, free: np.ndarray, wanted: list[int]) -> list[tuple[int, int]] | None:
+    """Free cells, none touching another, for each group of `wanted` items in turn (the answer's
+    first, then the clutter): every cell of the first group, as many as fit of the others (None
+    when the first group does not fit)."""
+    cells: list[tuple[int, int]] = []
+    order = [divmod(int(flat), free.shape[1]) for flat in rng.permutation(free.size)]
+    for group, n in enumerate(wanted):
+        before = len(cells)
+        for r, c in order:
+            if len(cells) - before == n:
+                break
+            if free[r, c] and all(max(abs(r - a), abs(c - b)) > 1 for a, b in cells):
+                cells.append((r, c))
+        if group == 0 and len(cells) < n:
+            return None
+    return cells
+
+
+def _others(rng: np.random.Generator, pool: Sequence[Any], exclude: Any, n: int) -> list[Any]:
+    """n draws (with repeats) from `pool` without `exclude`."""
+    rest = [x for x in pool if x != exclude]
+    return [rest[int(i)] for i in rng.integers(len(rest), size=n)]
+
+
+def _plan_items(rng: np.random.Generator, qtype: str, answer: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]], str]:
+    """(the items the answer rests on, the clutter, the question): glyphs ({"digit", "color"}) and
+    markers ({"color"}). The question names its item uniquely: the only glyph of its colour, the
+    only glyph of its digit, the only small things of its colour."""
+    colors = list(COLORS)
+    n_glyphs = int(rng.integers(CLUTTER_GLYPHS[0], CLUTTER_GLYPHS[1] + 1))
+    markers = [{"color": c} for c in _others(rng, colors, None, int(rng.integers(1, 4)))]
+    if qtype == "count_small":
+        color = colors[int(rng.integers(len(colors)))]
+        target = [{"color": color} for _ in range(DETAIL_ANSWERS[qtype].index(answer))]
+        markers = [{"color": c} for c in _others(rng, colors, color, len(markers))]
+        digits = rng.permutation(10)[:n_glyphs]
+        glyphs = [{"digit": int(d), "color": c} for d, c in zip(digits, _others(rng, colors, color, n_glyphs), strict=True)]
+        return target, glyphs + markers, DETAIL_QUESTIONS[qtype].format(color=color)
+    if qtype == "digit":
+        digit, color = DIGITS.index(answer), colors[int(rng.integers(len(colors)))]
+        clutter_colors = _others(rng, colors, color, n_glyphs)  # the asked colour names one glyph
+    else:
+        digit, color = int(rng.integers(10)), answer
+        clutter_colors = _others(rng, colors, None, n_glyphs)
+    digits = [int(d) for d in rng.permutation(10) if d != digit][:n_glyphs]  # the asked digit names one glyph
+    glyphs = [{"digit": d, "color": c} for d, c in zip(digits, clutter_colors, strict=True)]
+    question = DETAIL_QUESTIONS[qtype].format(color=color, digit=DIGITS[digit])
+    return [{"digit": digit, "color": color}], glyphs + markers, question
+
+
+def _draw_item(rng: np.random.Generator, img: np.ndarray, item: dict[str, Any], cell: tuple[int, int],
+               patch: int) -> dict[str, Any]:
+    """Draw a glyph or marker inside `cell` (random offset, never leaving it); its record with its box."""
+    x_cell, y_cell = cell[1] * patch, cell[0] * patch
+    scale = patch // MIN_PATCH
+    if "digit" in item:
+        mask = glyph_mask(item["digit"], scale)
+        h, w = mask.shape
+        x0, y0 = x_cell + int(rng.integers(0, patch - w + 1)), y_cell + int(rng.integers(0, patch - h + 1))
+        img[y0:y0 + h, x0:x0 + w][mask] = np.asarray(COLORS[item["color"]], dtype=np.float32)
+        return {**item, "box": [x0, y0, x0 + w, y0 + h]}
+    radius = MARKER_RADIUS * scale
+    cx = x_cell + float(rng.uniform(radius + 0.5, patch - radius - 0.5))
+    cy = y_cell + float(rng.uniform(radius + 0.5, patch - radius - 0.5))
+    marker = {"shape": "square", "color": item["color"], "center": [round(cx, 3), round(cy, 3)], "radius": radius,
+              "small": True}
+    # Drawn on the cell alone (it never leaves it): a whole-picture canvas a marker cost 3x the time.
+    alpha = shape_alpha("square", *marker["center"], radius, patch, origin=(x_cell, y_cell))[..., None]
+    cell_px = img[y_cell:y_cell + patch, x_cell:x_cell + patch]
+    cell_px *= 1.0 - alpha
+    cell_px += alpha * np.asarray(COLORS[item["color"]], dtype=np.float32)
+    return {**marker, "box": [x_cell, y_cell, x_cell + patch, y_cell + patch]}
+
+
+def detail_sample(rng: np.random.Generator, qtype: str, answer: str, size: int = DEFAULT_IMAGE_SIZE,
+                  patch: int = DEFAULT_PATCH_SIZE) -> tuple[np.ndarray, str, dict[str, Any]]:
+    """(image uint8 [size, size, 3], question, meta) of one fine-detail question whose answer is `answer`."""
+    if qtype not in DETAIL_TYPES:
+        raise ValueError(f"unknown fine-detail question type {qtype!r}; types: {', '.join(DETAIL_TYPES)}")
+    if answer not in DETAIL_ANSWERS[qtype]:
+        raise ValueError(f"{answer!r} is not an answer of {qtype!r} questions: {DETAIL_ANSWERS[qtype]}")
+    colors = list(COLORS)
+    targets, clutter, question = _plan_items(rng, qtype, answer)
+    while True:  # a scene whose large shapes leave no room for the answer is drawn again (same seed, same draws)
+        large = []
+        for _ in range(int(rng.integers(LARGE[0], LARGE[1] + 1))):
+            r = float(rng.uniform(0.1, 0.19)) * size
+            cx, cy = (float(v) for v in rng.uniform(r * 0.6, size - r * 0.6, size=2))
+            large.append({"shape": SHAPES[int(rng.integers(len(SHAPES)))], "color": colors[int(rng.integers(len(colors)))],
+                          "center": [round(cx, 3), round(cy, 3)], "radius": round(r, 3)})
+        alphas = [shape_alpha(o["shape"], *o["center"], o["radius"], size) for o in large]
+        cells = _pick_cells(rng, _free_cells(alphas, size, patch), [len(targets), len(clutter)])
+        if cells is not None:
+            break
+    img = background(rng, size)
+    for o, alpha in zip(large, alphas, strict=True):  # as `scenes.paint`, on the coverage computed once
+        img *= 1.0 - alpha[..., None]
+        img += alpha[..., None] * np.asarray(COLORS[o["color"]], dtype=np.float32)
+    drawn = [_draw_item(rng, img, item, cell, patch) for item, cell in zip(targets + clutter, cells, strict=False)]
+    boxes = [d["box"] for d in drawn[:len(targets)]]
+    meta = {"type": qtype, "objects": large + [d for d in drawn if "shape" in d],
+            "glyphs": [d for d in drawn if "digit" in d], "answer_boxes": boxes, "patch_size": patch,
+            "answer_patches": sorted({p for b in boxes for p in box_patches(b, size, patch)})}
+    return to_uint8(img), question, meta
+
+
+def generate_detail(out_dir: str | Path, num_train: int, num_val: int, image_size: int = DEFAULT_IMAGE_SIZE,
+                    patch_size: int = DEFAULT_PATCH_SIZE, seed: int = 0,
+                    question_types: Sequence[str] = DETAIL_TYPES, progress: bool = False) -> Any:
+    """Write the fine-detail set to `out_dir` (the module doc) and say what was written
+    (`synthetic.SyntheticSummary`). Refuses a resolution whose answers could exceed
+    MAX_ANSWER_SHARE of the vision tokens (`check_resolution`). Same arguments, same bytes."""
+    from tqdm.auto import tqdm
+
+    from vlmod.data.synthetic import (
+        SyntheticSummary,
+        _balanced_plan,
+        _check_types,
+        _remove_stale,
+        _write_json,
+        _write_png,
+        _write_records,
+    )
+
+    check_resolution(image_size, patch_size)
+    for name, value in (("num_train", num_train), ("num_val", num_val)):
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
+    qtypes = _check_types(question_types, DETAIL_TYPES, "fine-detail")
+    out = Path(out_dir).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    summary, splits = SyntheticSummary(out_dir=out), {}
+    with tqdm(total=num_train + num_val, desc="fine-detail", unit="sample", disable=not progress) as bar:
+        for code, (split, n) in enumerate((("train", num_train), ("val", num_val))):
+            plan = _balanced_plan(np.random.default_rng([seed, code, 2, 2**31]), n, qtypes, DETAIL_ANSWERS)
+            folder = out / "images" / split
+            folder.mkdir(parents=True, exist_ok=True)
+            records, names = [], set()
+            for i, (qtype, answer) in enumerate(plan):
+                img, question, meta = detail_sample(np.random.default_rng([seed, code, 2, i]), qtype, answer,
+                                                    image_size, patch_size)
+                name = f"{i:06d}.png"
+                _write_png(folder / name, img)
+                names.add(name)
+                records.append({"id": f"detail-{split}-{i:06d}", "image": f"images/{split}/{name}", "conversations": [
+                    {"from": "human", "value": f"<image>\n{question}"}, {"from": "gpt", "value": answer}], "meta": meta})
+                bar.update(1)
+            _remove_stale(folder, names)
+            counts = {t: {a: 0 for a in DETAIL_ANSWERS[t]} for t in qtypes}
+            for r in records:
+                counts[r["meta"]["type"]][r["conversations"][-1]["value"]] += 1
+            path = out / f"{split}.json"
+            _write_records(path, records)
+            summary.files[split], summary.records[split], summary.answer_counts[split] = path, len(records), counts
+            splits[split] = {"file": path.name, "records": len(records), "answer_counts": counts}
+    _write_json(out / "meta.json", {
+        "generator": "vlmod.data.detail", "seed": seed, "image_size": image_size, "patch_size": patch_size,
+        "max_answer_share": MAX_ANSWER_SHARE, "question_types": list(qtypes), "questions": DETAIL_QUESTIONS,
+        "answers": {k: list(v) for k, v in DETAIL_ANSWERS.items()}, "splits": splits,
+    })
+    return summary
+
+
+__all__ = ["DETAIL_ANSWERS", "DETAIL_QUESTIONS", "DETAIL_TYPES", "DIGITS", "FONT", "MAX_ANSWER_SHARE", "answer_share",
+           "box_patches", "check_resolution", "detail_sample", "generate_detail", "glyph_mask"]

@@ -1,0 +1,248 @@
+"""Whether a recipe's question set can measure routing at all (issue 59): four checks, per seed.
+
+A set whose questions a model answers without looking, or with one frame of a clip, rewards a
+router for dropping what the question never needed; a set the dense model saturates, or one where
+random routing loses nothing, cannot tell a good router from a lucky one. So the recipe checks:
+
+- blind: no model given no vision tokens scores more than chance + 10 points on any type. The
+  best such model answers each question text with the answer most frequent for that text in the
+  training set (the per-question-text prior; a text the training set lacks gets its type's most
+  frequent answer): the question text is all it sees, and no rule on the text alone does better
+  on the distribution the training set estimates. Its validation accuracy is the blind ceiling,
+  exact without training any model;
+- one frame (video): the dense model on clips whose every frame is the middle one scores at most
+  chance + 10 on every type that needs several frames (it sees one frame's content in every
+  position, so the token count and the prompt are unchanged);
+- dense: at least 85% on every type and 88-97% overall (room above and below);
+- discrimination: at 3x fewer language-model prefill FLOPs, random routing loses at least 10
+  points against dense and the best training-free method (attention router, pre-LLM reduction,
+  frame subsampling) at least 3, each on the questions it answered (the training-free loss is
+  asked of one set of the benchmark: each set reports its own, and it alone fails no set).
+
+Values and thresholds are in percent (losses in points). A run too small for a verdict
+(`vlmod.evaluation.evidence`: `--quick`) measures them all and passes none.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from vlmod.data import LlavaDataset, load_records
+from vlmod.data.answers import is_correct
+
+MARGIN = 10.0  # points over chance a model without the media (or with one frame) may score
+DENSE_TYPE_FLOOR = 85.0
+DENSE_OVERALL = (88.0, 97.0)
+AT = 3.0  # the LM prefill FLOPs reduction the discrimination check reads
+RANDOM_LOSS = 10.0
+TRAINING_FREE_LOSS = 3.0
+# The training-free methods a user could run instead (`vlmod.recipes.methods`): FastV-like
+# attention routing on the dense weights, each ranking of pre-LLM reduction (VisionZip-like), frames.
+TRAINING_FREE = ("attention", "reduce", "reduce-mean", "reduce-deviation", "reduce-novelty", "frames")
+
+
+def _qa(path: Path) -> list[tuple[str, str, str]]:
+    """(type, question text, answer) of each typed record of a LLaVA-format file."""
+    out = []
+    for r in load_records(path):
+        meta = r.raw.get("meta") if isinstance(r.raw, dict) else None
+        if isinstance(meta, dict) and meta.get("type") and len(r.conversations) >= 2:
+            out.append((str(meta["type"]), "\n".join(c["value"] for c in r.conversations[:-1]),
+                        r.conversations[-1]["value"]))
+    return out
+
+
+def chance(train: Path) -> dict[str, float]:
+    """Chance per type in percent: one of the type's answers (`vlmod.data.scenes.ANSWERS`, what
+    `vlmod.evaluation.evidence` calls chance; a type it lacks: the distinct training answers)."""
+    from vlmod.data.scenes import ANSWERS
+
+    answers: dict[str, set[str]] = defaultdict(set)
+    for t, _, a in _qa(train):
+        answers[t].add(a)
+    return {t: 100.0 / len(ANSWERS.get(t) or a) for t, a in answers.items()}
+
+
+def blind_ceiling(train: Path, val: Path) -> dict[str, float]:
+    """Per type of `val`, in percent: the accuracy of the per-question-text prior of `train` (see
+    the module doc), the most any model given no vision tokens can score."""
+    by_text: dict[tuple[str, str], Counter] = defaultdict(Counter)
+    by_type: dict[str, Counter] = defaultdict(Counter)
+    for t, q, a in _qa(train):
+        by_text[t, q][a] += 1
+        by_type[t][a] += 1
+    right: dict[str, list[bool]] = defaultdict(list)
+    for t, q, a in _qa(val):
+        prior = by_text.get((t, q)) or by_type.get(t)
+        right[t].append(bool(prior) and is_correct(prior.most_common(1)[0][0], a))
+    return {t: 100.0 * sum(v) / len(v) for t, v in sorted(right.items())}
+
+
+class OneFrameDataset(LlavaDataset):
+    """A `LlavaDataset` whose every clip shows its middle frame in every position: the same
+    frame count, tokens and prompt as the clip, one frame's content."""
+
+    def _clip(self, path: Path) -> Any:
+        frames = super()._clip(path)
+        return frames[[len(frames) // 2] * len(frames)]
+
+
+def one_frame_report(model: Any, processor: Any, val: Path, frames: int, limit: int | None, batch_size: int,
+                     progress: bool = False) -> Any:
+    """The dense model's `EvalReport` on the first `limit` clips of `val` with every frame the
+    middle one, scored as the recipe scores (its `evaluated`: greedy, 4 new tokens)."""
+    from vlmod.evaluation.evaluate import evaluate
+    from vlmod.io.hf import max_positions
+
+    data = OneFrameDataset(load_records(val)[:limit], processor, val.parent, num_frames=frames, cache=True,
+                           max_tokens=max_positions(model))
+    return evaluate(model, processor, data, batch_size=batch_size, max_new_tokens=4, progress=progress,
+                    name="dense, one frame", limit=limit)
+
+
+def _on_same(dense: Mapping[str, Any], row: Mapping[str, Any]) -> float:
+    """Dense accuracy on the questions `row` answered (the first N of the same set)."""
+    n = len(row.get("correct") or "")
+    mine = dense.get("correct") or ""
+    return dense["accuracy"] if not n or len(mine) < n else mine[:n].count("1") / n
+
+
+def loss_at(rows: Sequence[Mapping[str, Any]], method: str, at: float = AT) -> float | None:
+    """Points `method` loses against dense (on its questions) at `at`x fewer LM prefill FLOPs: its
+    row at that target, else interpolated in log reduction between its measured points (dense at
+    1x); None where it reaches no point that far."""
+    dense = next(r for r in rows if r["method"] == "dense")
+    mine = [r for r in rows if r["method"] == method and r["target"] is not None]
+    if not mine:
+        return None
+    base = 100 * _on_same(dense, mine[0])
+    exact = [r for r in mine if r["target"] == at]
+    if exact:
+        return base - 100 * exact[0]["accuracy"]
+    points = sorted([(1.0, base)] + [(r["language_reduction"], 100 * r["accuracy"]) for r in mine])
+    for (r0, a0), (r1, a1) in zip(points, points[1:], strict=False):
+        if r0 <= at <= r1 and r1 > r0:
+            w = (math.log(at) - math.log(r0)) / (math.log(r1) - math.log(r0))
+            return base - (a0 + w * (a1 - a0))
+    return None
+
+
+def _check(name: str, label: str, value: Any, threshold: Any, rule: str, failed: list[str] | bool | None,
+           verdict: bool, **extra: Any) -> dict[str, Any]:
+    """One check's record; `failed`: the failing types (or True / False), None when not measured."""
+    ok = None if failed is None or not verdict else not failed
+    return {"name": name, "label": label, "value": value, "threshold": threshold, "rule": rule, "pass": ok,
+            "failed": failed if isinstance(failed, list) else [], **extra}
+
+
+def set_checks(rows: Sequence[Mapping[str, Any]], train: Path, val: Path, temporal: Sequence[str] = (),
+               one_frame: Mapping[str, float] | None = None, one_frame_samples: int = 0, verdict: bool = True,
+               at: float = AT) -> dict[str, Any]:
+    """The checks of the module doc from the recipe's frontier `rows`, its data files and (video) the
+    one-frame accuracy by type (fractions, on `one_frame_samples` questions). `verdict`: False for a
+    run too small to judge (every check measured, none passed)."""
+    dense = next(r for r in rows if r["method"] == "dense")
+    blind = blind_ceiling(train, val)
+    floor = {t: v for t, v in chance(train).items() if t in blind}  # the asked types (not training's captions)
+    ceiling = {t: v + MARGIN for t, v in floor.items()}
+    checks = [
+        _check("chance", "chance (one of the type's answers)", floor, None, "-", [], False),
+        _check("blind", "blind ceiling: the best score with no vision tokens", blind, ceiling,
+               f"at most chance + {MARGIN:g}", [t for t, v in blind.items() if v > ceiling.get(t, 100.0)], verdict),
+    ]
+    if one_frame is not None:
+        values = {t: 100 * a for t, a in sorted(one_frame.items())}
+        limits = {t: ceiling[t] for t in values if t in temporal and t in ceiling}
+        checks.append(_check("one_frame", f"one frame: dense, the middle frame in every position (first "
+                             f"{one_frame_samples} questions)", values, limits,
+                             f"at most chance + {MARGIN:g} on each type marked *",
+                             [t for t, lim in limits.items() if values[t] > lim], verdict))
+    by_type = {t: 100 * a for t, a in sorted(dense["accuracy_by_type"].items())}
+    checks.append(_check("dense_types", "dense, each type", by_type, DENSE_TYPE_FLOOR, f"at least {DENSE_TYPE_FLOOR:g}%",
+                         [t for t, v in by_type.items() if v < DENSE_TYPE_FLOOR], verdict))
+    overall = 100 * dense["accuracy"]
+    lo, hi = DENSE_OVERALL
+    checks.append(_check("dense_overall", "dense, overall", overall, [lo, hi], f"{lo:g}-{hi:g}%",
+                         not lo <= overall <= hi, verdict))
+    rand = loss_at(rows, "random", at)
+    checks.append(_check("random_loss", f"random routing's loss at {at:g}x fewer LM prefill FLOPs (points)", rand,
+                         RANDOM_LOSS, f"at least {RANDOM_LOSS:g} points", None if rand is None else rand < RANDOM_LOSS,
+                         verdict))
+    losses = {m: v for m in TRAINING_FREE if (v := loss_at(rows, m, at)) is not None}
+    best = min(losses, key=losses.__getitem__) if losses else None
+    free = losses.get(best) if best else None
+    checks.append(_check("training_free_loss", f"the best training-free method's loss at {at:g}x (points)"
+                         + (f": {best}" if best else ""), free, TRAINING_FREE_LOSS,
+                         f"at least {TRAINING_FREE_LOSS:g} points (on one set of the benchmark)",
+                         None if free is None else free < TRAINING_FREE_LOSS, verdict, method=best, losses=losses,
+                         scope="benchmark"))
+    # The set passes on its own checks; the training-free loss is asked of one set of the benchmark.
+    judged = [c["pass"] for c in checks if c["name"] not in ("chance", "training_free_loss")]
+    # One failure fails the set; a check not measured (no point that far) leaves it open.
+    ok = False if False in judged else None if not verdict or None in judged else True
+    return {"units": "percent (losses in points)", "verdict": verdict, "pass": ok, "checks": checks}
+
+
+def _pct(value: Any) -> str:
+    return "-" if value is None else f"{value:.1f}%"
+
+
+def format_set_checks(checks: Mapping[str, Any], temporal: Sequence[str] = ()) -> str:
+    """results.md's "Set checks" table: a row per check, a column per type (* needs several frames),
+    the overall value, the rule and pass / FAIL (failing types named; "-" without a verdict)."""
+    rows = checks["checks"]
+    types = sorted({t for c in rows if isinstance(c["value"], dict) for t in c["value"]},
+                   key=lambda t: (t not in temporal, t))
+    headers = ["check", *(f"{t}*" if t in temporal else t for t in types), "overall", "threshold", "pass"]
+    lines = ["Set checks (does the set need the media, leave room, and discriminate; `vlmod.evaluation.set_checks`):",
+             "", "| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    for c in rows:
+        v = c["value"]
+        if isinstance(v, dict):
+            cells = [_pct(v.get(t)) for t in types] + ["-"]
+        else:
+            cells = ["-"] * len(types) + ["-" if v is None else f"{v:.1f}" + ("" if "loss" in c["name"] else "%")]
+        verdict = "-" if c["pass"] is None else "pass" if c["pass"] else "FAIL" + (
+            f" ({', '.join(c['failed'])})" if c["failed"] else "")
+        if c["pass"] is None and c["name"] != "chance" and v is None:
+            verdict = "not measured"
+        lines.append("| " + " | ".join([c["label"], *cells, c["rule"], verdict]) + " |")
+    if not checks["verdict"]:
+        lines += ["", "(a run too small for a verdict: each check measured, none judged)"]
+    return "\n".join(lines)
+
+
+def failures(checks: Mapping[str, Any]) -> list[str]:
+    """One line per failed check, for the run's log."""
+    out = []
+    for c in checks["checks"]:
+        if c["pass"] is False:
+            v = c["value"]
+            what = (", ".join(f"{t} {v[t]:.1f}%" for t in c["failed"]) if isinstance(v, dict)
+                    else f"{v:.1f}")
+            out.append(f"   set check failed: {c['label']}: {what} ({c['rule']})")
+    return out
+
+
+def check_recipe_sets(rows: Sequence[Mapping[str, Any]], train: Path, val: Path, temporal: Sequence[str],
+                      one_frame: Callable[[], Any] | None, verdict: bool,
+                      log: Callable[[str], None]) -> dict[str, Any]:
+    """The recipe's hook: the checks (`one_frame()`: the one-frame `EvalReport`, video), each failure
+    logged."""
+    report = one_frame() if one_frame is not None else None
+    if report is not None:
+        log(f"   dense, one frame: accuracy {100 * report.accuracy:.1f}% on {len(report.samples)} questions")
+    checks = set_checks(rows, train, val, temporal, report.accuracy_by_type if report else None,
+                        len(report.samples) if report else 0, verdict)
+    for line in failures(checks):
+        log(line)
+    return checks
+
+
+__all__ = ["AT", "DENSE_OVERALL", "DENSE_TYPE_FLOOR", "MARGIN", "RANDOM_LOSS", "TRAINING_FREE", "TRAINING_FREE_LOSS",
+           "OneFrameDataset", "blind_ceiling", "chance", "check_recipe_sets", "failures", "format_set_checks",
+           "loss_at", "one_frame_report", "set_checks"]

@@ -1,0 +1,177 @@
+"""`vlmod recipe --seeds 0,1,2`: the recipe once per seed, each a complete run into OUT/seed-N
+(its own results.md / results.json, exactly as `--seed N --out OUT/seed-N` writes them), then the
+table over the seeds in OUT/results.md and OUT/results.json (`vlmod.recipes.seeds`).
+
+Each seed folder is owned, locked and checked as a one-seed run's (`vlmod.recipes.reuse`), and the
+flags apply to each: none (every seed folder new or empty), `--overwrite` (every seed trained
+again), `--reuse-dense` (each seed keeps its dense model). So that an interrupted run resumes in
+one command, `--reuse-dense` trains a seed afresh where its folder is empty or its dense stage had
+not finished, and `--reuse-trained` keeps a finished seed of the same settings as it is (not run
+again) and a seed's fine-tunes where they all finished. OUT itself holds the seed folders and the
+combined files only, under its own marker; every refusal comes before any seed starts."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Sequence
+from contextlib import suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vlmod.errors import InputError
+from vlmod.io.files import sole_writer
+from vlmod.io.owned import MARKER, Ledger, entries
+from vlmod.recipes.reuse import FULL_DISK, check_recipe_out, dense_finished, made_by_recipe
+from vlmod.recipes.seeds import RESULTS, write_combined
+from vlmod.recipes.settings import RecipeSettings, check_image_model
+
+SEEDS = "vlmod recipe --seeds"  # the command OUT's marker names
+
+
+def seed_folder(out: Path, seed: int) -> Path:
+    return out / f"seed-{seed}"
+
+
+@dataclass(frozen=True)
+class SeedPlan:
+    """What one seed's folder gets: its finished results kept (`keep`) or a recipe run with these flags."""
+
+    seed: int
+    folder: Path
+    keep: bool = False
+    reuse_dense: bool = False
+    reuse_trained: bool = False
+    overwrite: bool = False
+    note: str = ""
+
+
+def _same_settings(folder: Path, s: RecipeSettings) -> bool:
+    """Whether `folder` holds a finished run (results.json) of settings `s` (threads aside)."""
+    try:
+        saved = json.loads((folder / RESULTS).read_text(encoding="utf-8"))["settings"]
+    except (OSError, UnicodeDecodeError, RecursionError, ValueError, KeyError, TypeError):
+        return False
+    now, defaults = (json.loads(json.dumps(x.to_dict())) for x in (s, RecipeSettings()))
+    return isinstance(saved, dict) and all(saved.get(k, defaults.get(k)) == v for k, v in now.items() if k != "threads")
+
+
+def _fine_tunes_finished(folder: Path, s: RecipeSettings) -> bool:
+    runs = ["mod"] + ["stack"] * bool(s.stacked and s.stack_steps) + ["dense-control"] * s.dense_control
+    return all((folder / r / "model" / "model.safetensors").is_file() and (folder / r / "train_log.json").is_file()
+               for r in runs)
+
+
+def plan_seed(folder: Path, s: RecipeSettings, reuse_dense: bool, reuse_trained: bool, overwrite: bool) -> SeedPlan:
+    """What `folder` (seed `s.seed`) gets under the flags given (the module doc)."""
+    if not entries(folder):
+        return SeedPlan(s.seed, folder, note=" (nothing to keep there)" if reuse_dense else "")
+    if overwrite or not reuse_dense:  # as a one-seed run: `check_recipe_out` refuses an earlier run without a flag
+        return SeedPlan(s.seed, folder, overwrite=overwrite)
+    if reuse_trained and _same_settings(folder, s):
+        return SeedPlan(s.seed, folder, keep=True, note=": finished with these settings, kept as it is")
+    if not dense_finished(folder) and made_by_recipe(folder):
+        return SeedPlan(s.seed, folder, overwrite=True, note=" (its dense stage had not finished: trained again)")
+    trained = reuse_trained and _fine_tunes_finished(folder, s)
+    note = " (its fine-tunes had not all finished: trained again)" if reuse_trained and not trained else ""
+    return SeedPlan(s.seed, folder, reuse_dense=True, reuse_trained=trained, note=note)
+
+
+def _foreign(out: Path, seeds: Sequence[int]) -> list[str]:
+    """What `out` holds that this command did not make: not its combined files or a seed folder
+    asked for now (each checked as a one-seed run's), nor a seed run's lock or temp file."""
+    ledger = Ledger(out, SEEDS)
+    ours = {seed_folder(out, s).name for s in seeds} | {RESULTS, "results.md"}
+    return [e for e in ledger.foreign(entries(out)) if e not in ours
+            and not (e.startswith(".") and e.endswith((".lock", ".tmp")))]
+
+
+def check_seeds(seeds: Sequence[int]) -> list[int]:
+    """The seeds, distinct and at least one."""
+    if not seeds:
+        raise InputError("--seeds is empty: give a comma list of seeds, e.g. --seeds 0,1,2")
+    repeated = sorted({s for s in seeds if list(seeds).count(s) > 1})
+    if repeated:
+        raise InputError(f"--seeds gives seed {', '.join(map(str, repeated))} more than once: give each seed once")
+    return list(seeds)
+
+
+def run_seeds(out: str | Path, settings: RecipeSettings, seeds: Sequence[int], progress: bool = True,
+              log: Callable[[str], None] = print, reuse_dense: bool = False, reuse_trained: bool = False,
+              overwrite: bool = False) -> dict[str, Any]:
+    """Run the recipe of `settings` once per seed into `out`/seed-N (or keep a finished one,
+    `plan_seed`) and write the combined results.md / results.json there; returns the combined record."""
+    from vlmod.io.paths import check_output_dir
+    from vlmod.recipes.recipe import run_recipe  # the training stack loads when a recipe runs
+
+    seeds = check_seeds(seeds)
+    if reuse_trained and not reuse_dense:
+        raise InputError("--reuse-trained goes with --reuse-dense (the fine-tunes start from that dense model)")
+    if reuse_dense and overwrite:
+        raise InputError("--reuse-dense and --overwrite contradict each other: keep the dense models of the runs in "
+                         "--out, or train everything again")
+    check_image_model(settings)
+    out = check_output_dir(out, "--out")
+
+    def plans() -> list[SeedPlan]:
+        """Every refusal before any seed starts: OUT's files, then each seed folder's, as a one-seed run's."""
+        foreign = _foreign(out, seeds)
+        if foreign:
+            shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+            raise InputError(f"--out {out} holds files a --seeds run did not make ({shown}); choose a new or empty "
+                             "folder for --out")
+        made = [plan_seed(seed_folder(out, n), dataclasses.replace(settings, seed=n), reuse_dense, reuse_trained,
+                          overwrite) for n in seeds]
+        for p in made:
+            if not p.keep:
+                check_recipe_out(p.folder, p.reuse_dense, p.overwrite)
+        return made
+
+    plans()  # refused before --out is made
+    new = [p for p in (out, *out.parents) if not p.exists()]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    locked = False
+    try:
+        with sole_writer(out, InputError, "--out"):
+            locked = True
+            todo = plans()  # again, locked: another run may have changed --out in between
+            out.mkdir(exist_ok=True)
+            ledger = Ledger(out, SEEDS)
+            ledger.save()
+            for i, p in enumerate(todo, 1):
+                log(f"== seed {i} of {len(todo)}: --seed {p.seed} into {p.folder}{p.note}")
+                ledger.claim(p.folder.name)
+                if not p.keep:
+                    run_recipe(p.folder, dataclasses.replace(settings, seed=p.seed), progress=progress, log=log,
+                               reuse_dense=p.reuse_dense, reuse_trained=p.reuse_trained, overwrite=p.overwrite)
+            ledger.claim(RESULTS), ledger.claim("results.md")
+            try:
+                combined = write_combined(out, [p.folder for p in todo])
+            except OSError as e:
+                if e.errno not in FULL_DISK:
+                    raise
+                raise InputError(f"could not write under --out {out}: {e.strerror}; nothing was left half-written: "
+                                 "free space, then run again with --reuse-dense --reuse-trained") from None
+    except BaseException:
+        if locked and not entries(out):  # nothing written but the marker: take it back, and the folders made
+            (out / MARKER).unlink(missing_ok=True)
+            for made in new:
+                with suppress(OSError):
+                    made.rmdir()
+        raise
+    from vlmod.recipes.seeds import format_combined
+
+    log(format_combined(combined))
+    return combined
+
+
+def run_seeds_again(out: Path, seeds: Sequence[int]) -> str:
+    """How to go on after a --seeds run stopped: keep what its seeds finished."""
+    if any(entries(seed_folder(out, n)) for n in seeds):
+        return ("run again with --reuse-dense --reuse-trained to keep what its seeds finished (or --overwrite to "
+                "train every seed again)")
+    return "run again"
+
+
+__all__ = ["SEEDS", "SeedPlan", "check_seeds", "plan_seed", "run_seeds", "run_seeds_again", "seed_folder"]
