@@ -111,25 +111,34 @@ def _non_finite(data: Any, at: str) -> tuple[str, float] | None:
     return None
 
 
-def save_pretrained_atomic(model: Any, processor: Any, folder: str | os.PathLike[str]) -> Path:
-    """`save_pretrained` of a model and its processor through `folder.tmp`, then a rename: `folder`
-    is complete or absent (an older `folder` is replaced only once the new one is written)."""
+@contextmanager
+def folder_written(folder: str | os.PathLike[str]) -> Iterator[Path]:
+    """The temporary folder (`folder.tmp`) to write `folder`'s files into, renamed to `folder` when
+    the block ends: `folder` is complete or absent (an older `folder` is replaced only once the new
+    one is written); a full disk or Ctrl-C leaves no half-written folder behind."""
     folder = Path(folder)
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
     try:
-        model.save_pretrained(tmp)
-        align_folder(tmp)  # loading maps the weights and computes what was saved, bit for bit
-        processor.save_pretrained(tmp)
-    except BaseException:  # a full disk, Ctrl-C: no half-written folder left behind
+        yield tmp
+    except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)
-    return folder
 
 
-__all__ = ["save_pretrained_atomic", "default_file_mode", "write_bytes_atomic", "write_json", "write_text"]
+def save_pretrained_atomic(model: Any, processor: Any, folder: str | os.PathLike[str]) -> Path:
+    """`save_pretrained` of a model and its processor into `folder`, complete or absent (`folder_written`)."""
+    with folder_written(folder) as tmp:
+        model.save_pretrained(tmp)
+        align_folder(tmp)  # loading maps the weights and computes what was saved, bit for bit
+        processor.save_pretrained(tmp)
+    return Path(folder)
+
+
+__all__ = ["folder_written", "save_pretrained_atomic", "default_file_mode", "write_bytes_atomic", "write_json", "write_text"]
 
 
 # A config file's values once its aliases are expanded: a settings file has tens; a "billion

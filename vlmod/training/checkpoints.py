@@ -25,8 +25,7 @@ from torch import nn
 from vlmod.errors import TrainError
 from vlmod.io.files import write_json
 from vlmod.io.safetensors_layout import align_folder
-from vlmod.training.fsdp import merged_lora_state_dict
-from vlmod.training.merge import merge_lora_mapped, save_adapter
+from vlmod.training.merge import merge_lora_mapped, merged_lora_state_dict, save_adapter
 from vlmod.training.resume import DATA_KEY, data_fingerprint, settings_diff
 
 if TYPE_CHECKING:

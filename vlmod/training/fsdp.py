@@ -21,7 +21,7 @@ part's shared router, the projector). vlmod adds two things to it:
   whole weights.
 
 And what sharding changes around it: LoRA merged from the gathered state dict rather than from
-the model's shards (`merged_lora_state_dict`), and the plan of what a run needs per GPU under
+the model's shards (`vlmod.training.merge.merged_lora_state_dict`), and the plan of what a run needs per GPU under
 DDP, FSDP2 and ZeRO-3 (`plan_run`, `vlmod finetune --plan`; the arithmetic in
 `vlmod.training.memory.plan`), from the largest unit a process gathers (`largest_unit_bytes`).
 """
@@ -29,10 +29,8 @@ DDP, FSDP2 and ZeRO-3 (`plan_run`, `vlmod finetune --plan`; the arithmetic in
 from __future__ import annotations
 
 import os
-from types import SimpleNamespace
 from typing import Any
 
-import torch
 from torch import nn
 
 from vlmod.errors import TrainError
@@ -143,40 +141,4 @@ def plan_run(cfg: Any) -> str:
     return "\n".join(lines)
 
 
-def merged_lora_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The base model's state dict with each LoRA adapter merged into its projection, from the
-    peft `model`'s gathered full state dict `state` (FSDP2: the parameters in `model` are shards,
-    which `merge_lora_mapped` cannot merge). The delta is peft's own `get_delta_weight`, run on
-    the gathered adapter weights, added into a copy of the weight in its dtype as peft's merge
-    does: the saved model is what one process saves."""
-    from peft.tuners.lora import LoraLayer
-
-    prefix = "base_model.model."
-    merged = dict(state)
-    with torch.no_grad():
-        for name, module in model.named_modules():
-            if not isinstance(module, LoraLayer):
-                continue
-            if not hasattr(module, "fan_in_fan_out") or any(module.use_dora.get(a, False) for a in module.lora_A):
-                raise TrainError(f"LoRA under FSDP merges linear adapters only; {name} is {type(module).__name__}")
-            name = name.replace("_checkpoint_wrapped_module.", "")  # as the state dict's keys say it
-            weight = merged[f"{name}.base_layer.weight"].clone()
-            for adapter in module.active_adapters:
-                if adapter not in module.lora_A:
-                    continue
-                gathered = SimpleNamespace(  # the module's settings, the gathered weights
-                    lora_A={adapter: SimpleNamespace(weight=merged.pop(f"{name}.lora_A.{adapter}.weight"))},
-                    lora_B={adapter: SimpleNamespace(weight=merged.pop(f"{name}.lora_B.{adapter}.weight"))},
-                    fan_in_fan_out=module.fan_in_fan_out, scaling=module.scaling,
-                )
-                weight += type(module).get_delta_weight(gathered, adapter)
-            merged[f"{name}.base_layer.weight"] = weight
-    out = {}
-    for key, value in merged.items():
-        if ".lora_" in key:
-            continue  # an inactive adapter
-        out[key.removeprefix(prefix).replace(".base_layer.", ".")] = value
-    return out
-
-
-__all__ = ["largest_unit_bytes", "layer_classes", "merged_lora_state_dict", "plan_run", "set_layer_classes", "shard_on_cpu"]
+__all__ = ["largest_unit_bytes", "layer_classes", "plan_run", "set_layer_classes", "shard_on_cpu"]

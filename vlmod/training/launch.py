@@ -88,7 +88,7 @@ def check_launch(accelerator: Any) -> None:
 
 def check_lora_sharding(cfg: TrainConfig, accelerator: Any) -> None:
     """LoRA is merged into the weights at save time, which needs whole parameters: FSDP2 and ZeRO-3
-    merge them from the gathered state dict (`vlmod.training.fsdp.merged_lora_state_dict`); refuse
+    merge them from the gathered state dict (`vlmod.training.merge.merged_lora_state_dict`); refuse
     FSDP version 1, whose flat parameters vlmod does not gather, instead of saving a broken model."""
     from accelerate.utils import DistributedType
 

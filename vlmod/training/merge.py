@@ -7,23 +7,33 @@ merged projections (about `GROUP_BYTES`) is written to a scratch safetensors fil
 before the next group is merged, so the merged weights are file pages like the frozen ones, and
 memory holds one group at a time. The sums are peft's own (`get_delta_weight` added in place into
 a copy of the weight, in the weight's dtype), so the saved model is bit for bit what
-`merge_and_unload` gives.
+`merge_and_unload` gives. Under FSDP2 and ZeRO-3 the model's parameters are shards: the same sums
+run on the gathered state dict instead (`merged_lora_state_dict`). And the adapters are saved as
+adapters too (`save_adapter`, read back by `vlmod.io.adapters`).
 """
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 from torch import nn
 
+from vlmod.errors import TrainError
 from vlmod.io.adapters import RECORD, TRAINED, peft_quietly
+from vlmod.io.files import folder_written, write_json
 from vlmod.training.memory import release_memory
 
 GROUP_BYTES = 256 * 1024**2
+PEFT_PREFIX = "base_model.model."  # what a peft model's state dict puts before the base model's keys
+
+
+def _state_name(name: str) -> str:
+    """A module or parameter name as the state dict says it (FSDP's activation checkpointing wraps
+    each layer in a `_checkpoint_wrapped_module` the state dict does not show)."""
+    return name.replace("_checkpoint_wrapped_module.", "")
 
 
 def _mergeable(module: Any) -> bool:
@@ -80,6 +90,41 @@ def merge_lora_mapped(model: nn.Module, scratch: str | Path, group_bytes: int = 
     return model.unload()
 
 
+def merged_lora_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The base model's state dict with each LoRA adapter merged into its projection, from the
+    peft `model`'s gathered full state dict `state` (FSDP2: the parameters in `model` are shards,
+    which `merge_lora_mapped` cannot merge). The delta is peft's own `get_delta_weight`, run on
+    the gathered adapter weights, added into a copy of the weight in its dtype as peft's merge
+    does: the saved model is what one process saves."""
+    from peft.tuners.lora import LoraLayer
+
+    merged = dict(state)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if not isinstance(module, LoraLayer):
+                continue
+            if not hasattr(module, "fan_in_fan_out") or any(module.use_dora.get(a, False) for a in module.lora_A):
+                raise TrainError(f"LoRA under FSDP merges linear adapters only; {name} is {type(module).__name__}")
+            name = _state_name(name)  # as the state dict's keys say it
+            weight = merged[f"{name}.base_layer.weight"].clone()
+            for adapter in module.active_adapters:
+                if adapter not in module.lora_A:
+                    continue
+                gathered = SimpleNamespace(  # the module's settings, the gathered weights
+                    lora_A={adapter: SimpleNamespace(weight=merged.pop(f"{name}.lora_A.{adapter}.weight"))},
+                    lora_B={adapter: SimpleNamespace(weight=merged.pop(f"{name}.lora_B.{adapter}.weight"))},
+                    fan_in_fan_out=module.fan_in_fan_out, scaling=module.scaling,
+                )
+                weight += type(module).get_delta_weight(gathered, adapter)
+            merged[f"{name}.base_layer.weight"] = weight
+    out = {}
+    for key, value in merged.items():
+        if ".lora_" in key:
+            continue  # an inactive adapter
+        out[key.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")] = value
+    return out
+
+
 def save_adapter(model: nn.Module, state_dict: dict[str, torch.Tensor], out: Path) -> Path:
     """The run's adapters as a folder `vlmod.load_pretrained` reads (`vlmod.io.adapters`): peft's
     adapter files, the other trained parameters, the base and conversion they belong to. `model`:
@@ -88,29 +133,21 @@ def save_adapter(model: nn.Module, state_dict: dict[str, torch.Tensor], out: Pat
     renamed."""
     from safetensors.torch import save_file
 
-    prefix = "base_model.model."
-    trained = {n.replace("_checkpoint_wrapped_module.", "") for n, p in model.named_parameters() if p.requires_grad}
+    trained = {_state_name(n) for n, p in model.named_parameters() if p.requires_grad}
     others = {
-        k.removeprefix(prefix): v.contiguous() for k, v in state_dict.items() if k in trained and ".lora_" not in k
+        k.removeprefix(PEFT_PREFIX): v.contiguous() for k, v in state_dict.items() if k in trained and ".lora_" not in k
     }
     base = model.get_base_model()
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    name = str(getattr(base, "name_or_path", "") or base.config._name_or_path)
+    local = Path(name).expanduser()
+    record = {"base": str(local.resolve()) if local.is_dir() else name,  # a folder from anywhere; a hub id as it is
+              "vlmod": getattr(base.config, "vlmod", None), "trained": sorted(others)}
+    with folder_written(out) as tmp:
         with peft_quietly():
             model.save_pretrained(str(tmp), state_dict=state_dict, safe_serialization=True)
         save_file(others, str(tmp / TRAINED))
-        name = str(getattr(base, "name_or_path", "") or base.config._name_or_path)
-        local = Path(name).expanduser()
-        record = {"base": str(local.resolve()) if local.is_dir() else name,  # a folder from anywhere; a hub id as it is
-                  "vlmod": getattr(base.config, "vlmod", None), "trained": sorted(others)}
-        (tmp / RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+        write_json(tmp / RECORD, record)
     return out
 
 
-__all__ = ["GROUP_BYTES", "merge_lora_mapped", "save_adapter"]
+__all__ = ["GROUP_BYTES", "PEFT_PREFIX", "merge_lora_mapped", "merged_lora_state_dict", "save_adapter"]
