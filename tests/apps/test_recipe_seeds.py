@@ -164,3 +164,17 @@ def test_a_resumed_run_keeps_finished_seeds_and_trains_the_rest(tmp_path: Path) 
     # Stopped by Ctrl-C: the rerun that keeps what the seeds finished.
     assert "run again with --reuse-dense --reuse-trained" in run_seeds_again(tmp_path, [0, 1])
     assert run_seeds_again(tmp_path / "new", [0, 1]) == "run again"
+
+
+def test_a_negative_seed_is_refused_at_the_flag() -> None:
+    """Before: `--seeds 0,-1` passed the flag and failed in seed -1's data stage with numpy's
+    traceback ("expected non-negative integer"), after seed 0 had trained. Now the flag refuses it."""
+    import argparse
+
+    import pytest
+
+    from vlmod.cli.recipe import seed_list
+
+    assert seed_list("0,1,2") == [0, 1, 2]
+    with pytest.raises(argparse.ArgumentTypeError, match="seeds are integers from 0, got -1 in '0,-1'"):
+        seed_list("0,-1")

@@ -89,6 +89,9 @@ def seed_list(text: str) -> list[int]:
     if bad:
         raise argparse.ArgumentTypeError(f"expected a comma list of integer seeds (e.g. 0,1,2), got {text!r}: "
                                          f"{bad[0]!r} is not an integer")
+    negative = [p for p in parts if p.startswith("-")]
+    if negative:  # numpy's generators, which draw the data, take no negative seed
+        raise argparse.ArgumentTypeError(f"seeds are integers from 0, got {negative[0]} in {text!r}")
     seeds = [int(p) for p in parts]
     twice = sorted({n for n in seeds if seeds.count(n) > 1})
     if twice:

@@ -75,7 +75,6 @@ FONT: dict[int, tuple[str, ...]] = {
     8: ("01110", "10001", "10001", "01110", "10001", "10001", "01110"),
     9: ("01110", "10001", "10001", "01111", "00001", "00010", "01100"),
 }
-GLYPH_W, GLYPH_H = 5, 7
 
 
 def glyph_mask(digit: int, scale: int = 1) -> np.ndarray:
@@ -240,6 +239,7 @@ def generate_detail(out_dir: str | Path, num_train: int, num_val: int, image_siz
 
     from vlmod.data.synthetic import (
         SyntheticSummary,
+        _answer_counts,
         _balanced_plan,
         _check_types,
         _remove_stale,
@@ -272,9 +272,7 @@ def generate_detail(out_dir: str | Path, num_train: int, num_val: int, image_siz
                     {"from": "human", "value": f"<image>\n{question}"}, {"from": "gpt", "value": answer}], "meta": meta})
                 bar.update(1)
             _remove_stale(folder, names)
-            counts = {t: {a: 0 for a in DETAIL_ANSWERS[t]} for t in qtypes}
-            for r in records:
-                counts[r["meta"]["type"]][r["conversations"][-1]["value"]] += 1
+            counts = _answer_counts(records, qtypes, DETAIL_ANSWERS)
             path = out / f"{split}.json"
             _write_records(path, records)
             summary.files[split], summary.records[split], summary.answer_counts[split] = path, len(records), counts

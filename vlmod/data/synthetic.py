@@ -49,7 +49,7 @@ import json
 import os
 import re
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -299,11 +299,12 @@ def _caption_records(records: list[dict[str, Any]], num_frames: int | None) -> l
     } for r in records]
 
 
-def _answer_counts(records: list[dict[str, Any]], qtypes: Sequence[str]) -> dict[str, dict[str, int]]:
+def _answer_counts(records: list[dict[str, Any]], qtypes: Sequence[str],
+                   vocab: Mapping[str, Sequence[str]] = ANSWERS) -> dict[str, dict[str, int]]:
     counts: dict[str, Counter] = {t: Counter() for t in qtypes}
     for r in records:
         counts[r["meta"]["type"]][r["conversations"][-1]["value"]] += 1
-    return {t: {a: counts[t][a] for a in ANSWERS[t]} for t in qtypes}
+    return {t: {a: counts[t][a] for a in vocab[t]} for t in qtypes}
 
 
 def _check_types(types: Sequence[str], valid: Sequence[str], what: str) -> tuple[str, ...]:

@@ -30,18 +30,24 @@ class Evidence:
         return "" if self.enough else f"{PIPELINE_ONLY} ({self.why_not})."
 
 
+def answer_options(question_type: str) -> tuple[str, ...] | None:
+    """The answers a synthetic question type chooses from (the shapes, clip and fine-detail sets'
+    types); None for another type (real data)."""
+    from vlmod.data.detail import DETAIL_ANSWERS
+    from vlmod.data.scenes import ANSWERS
+
+    options = ANSWERS.get(question_type) or DETAIL_ANSWERS.get(question_type)
+    return tuple(options) if options else None
+
+
 def chance_accuracy(question_types: Iterable[str]) -> float | None:
     """Chance accuracy of the synthetic question types (one answer of each type's options, the
     types weighted alike, as the balanced synthetic sets are); None for a type that is not a
     synthetic one (real data: chance unknown)."""
-    from vlmod.data.detail import DETAIL_ANSWERS
-    from vlmod.data.scenes import ANSWERS
-
-    vocab = {**ANSWERS, **DETAIL_ANSWERS}  # the shapes, clip and fine-detail sets' types
-    types = list(question_types)
-    if not types or any(t not in vocab for t in types):
+    options = [answer_options(t) for t in question_types]
+    if not options or any(o is None for o in options):
         return None
-    return sum(1.0 / len(vocab[t]) for t in types) / len(types)
+    return sum(1.0 / len(o) for o in options) / len(options)
 
 
 def verdict_evidence(accuracy: float, questions: int, chance: float | None, who: str = "dense") -> Evidence:
@@ -59,5 +65,5 @@ def verdict_evidence(accuracy: float, questions: int, chance: float | None, who:
     return Evidence(not reasons, "; ".join(reasons))
 
 
-__all__ = ["MIN_POINTS_OVER_CHANCE", "MIN_QUESTIONS", "PIPELINE_ONLY", "Evidence", "chance_accuracy",
+__all__ = ["MIN_POINTS_OVER_CHANCE", "MIN_QUESTIONS", "PIPELINE_ONLY", "Evidence", "answer_options", "chance_accuracy",
            "verdict_evidence"]

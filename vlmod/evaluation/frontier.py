@@ -258,7 +258,7 @@ def paired_gap(a: Mapping[str, Any], b: Mapping[str, Any]) -> tuple[float, float
     return 100 * mean, 100 * (mean - half), 100 * (mean + half)
 
 
-def _accuracy_on(a: Mapping[str, Any], b: Mapping[str, Any]) -> float:
+def accuracy_on(a: Mapping[str, Any], b: Mapping[str, Any]) -> float:
     """Row `a`'s accuracy on the questions both rows answered (the first N of one eval set)."""
     ca, cb = a.get("correct") or "", b.get("correct") or ""
     if not ca or not cb or len(ca) <= len(cb):
@@ -389,7 +389,7 @@ def verdicts(rows: Sequence[Mapping[str, Any]], goals: Mapping[float, float] | N
             continue
         other = next((r for r in at if r["method"] in OURS and r is not mod), None)
         name = _name(mod) + ("" if other or mod["method"] == "learned" else " (MoD alone out of reach)")
-        better = [r for r in at if r["method"] not in OURS and _accuracy_on(r, mod) > _accuracy_on(mod, r)]
+        better = [r for r in at if r["method"] not in OURS and accuracy_on(r, mod) > accuracy_on(mod, r)]
         best = "best of all methods" if not better else "beaten by " + ", ".join(
             f"{r['method']} ({100 * r['accuracy']:.1f}%)" for r in better)
         also = f"; {_name(other)} {100 * other['accuracy']:.1f}%" if other else ""
@@ -418,7 +418,7 @@ def curve_label(method: str, points: Sequence[Mapping[str, Any]], dense: Mapping
     n = min(r.get("samples", dense.get("samples", 0)) for r in points)
     if n >= dense.get("samples", 0):
         return METHOD_LABELS[method], dense["accuracy"]
-    return f"{METHOD_LABELS[method]} (first {n} questions)", _accuracy_on(dense, points[0])
+    return f"{METHOD_LABELS[method]} (first {n} questions)", accuracy_on(dense, points[0])
 
 
 def plot_frontier(rows: Sequence[Mapping[str, Any]], path: str | Path, title: str) -> None:
@@ -473,7 +473,8 @@ def plot_frontier(rows: Sequence[Mapping[str, Any]], path: str | Path, title: st
 
 
 __all__ = [
-    "FRONTIER_GOALS", "MIN_FRACTION", "METHOD_LABELS", "REACH_TOLERANCE", "TokenCounts", "curve_label", "format_frontier",
+    "FRONTIER_GOALS", "MIN_FRACTION", "METHOD_LABELS", "REACH_TOLERANCE", "TokenCounts", "accuracy_on", "curve_label",
+    "format_frontier",
     "max_reduction",
     "mod_language_flops", "out_of_reach", "paired_gap", "plot_frontier", "reaches", "reduce_language_flops", "row", "solve_capacity",
     "rows_evidence", "solve_frames", "solve_keep", "solve_stacked", "stacked_language_flops", "verdicts",

@@ -33,6 +33,8 @@ from typing import Any
 
 from vlmod.data import LlavaDataset, load_records
 from vlmod.data.answers import is_correct
+from vlmod.evaluation.evidence import answer_options
+from vlmod.evaluation.frontier import accuracy_on
 
 MARGIN = 10.0  # points over chance a model without the media (or with one frame) may score
 DENSE_TYPE_FLOOR = 85.0
@@ -57,14 +59,13 @@ def _qa(path: Path) -> list[tuple[str, str, str]]:
 
 
 def chance(train: Path) -> dict[str, float]:
-    """Chance per type in percent: one of the type's answers (`vlmod.data.scenes.ANSWERS`, what
-    `vlmod.evaluation.evidence` calls chance; a type it lacks: the distinct training answers)."""
-    from vlmod.data.scenes import ANSWERS
-
+    """Chance per type in percent: one of the type's answers (what `vlmod.evaluation.evidence`
+    calls chance: the shapes, clip and fine-detail sets' answer lists; a type it lacks: the
+    distinct training answers)."""
     answers: dict[str, set[str]] = defaultdict(set)
     for t, _, a in _qa(train):
         answers[t].add(a)
-    return {t: 100.0 / len(ANSWERS.get(t) or a) for t, a in answers.items()}
+    return {t: 100.0 / len(answer_options(t) or a) for t, a in answers.items()}
 
 
 def blind_ceiling(train: Path, val: Path) -> dict[str, float]:
@@ -104,13 +105,6 @@ def one_frame_report(model: Any, processor: Any, val: Path, frames: int, limit: 
                     name="dense, one frame", limit=limit)
 
 
-def _on_same(dense: Mapping[str, Any], row: Mapping[str, Any]) -> float:
-    """Dense accuracy on the questions `row` answered (the first N of the same set)."""
-    n = len(row.get("correct") or "")
-    mine = dense.get("correct") or ""
-    return dense["accuracy"] if not n or len(mine) < n else mine[:n].count("1") / n
-
-
 def loss_at(rows: Sequence[Mapping[str, Any]], method: str, at: float = AT) -> float | None:
     """Points `method` loses against dense (on its questions) at `at`x fewer LM prefill FLOPs: its
     row at that target, else interpolated in log reduction between its measured points (dense at
@@ -119,7 +113,7 @@ def loss_at(rows: Sequence[Mapping[str, Any]], method: str, at: float = AT) -> f
     mine = [r for r in rows if r["method"] == method and r["target"] is not None]
     if not mine:
         return None
-    base = 100 * _on_same(dense, mine[0])
+    base = 100 * accuracy_on(dense, mine[0])
     exact = [r for r in mine if r["target"] == at]
     if exact:
         return base - 100 * exact[0]["accuracy"]

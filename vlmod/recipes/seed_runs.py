@@ -23,8 +23,8 @@ from typing import Any
 from vlmod.errors import InputError
 from vlmod.io.files import sole_writer
 from vlmod.io.owned import MARKER, Ledger, entries
-from vlmod.recipes.reuse import FULL_DISK, check_recipe_out, dense_finished, made_by_recipe
-from vlmod.recipes.seeds import RESULTS, write_combined
+from vlmod.recipes.reuse import FULL_DISK, check_recipe_out, dense_finished, made_by_recipe, reusable_dense
+from vlmod.recipes.seeds import RESULTS, format_combined, write_combined
 from vlmod.recipes.settings import RecipeSettings, check_image_model
 
 SEEDS = "vlmod recipe --seeds"  # the command OUT's marker names
@@ -126,11 +126,16 @@ def run_seeds(out: str | Path, settings: RecipeSettings, seeds: Sequence[int], p
         for p in made:
             if not p.keep:
                 check_recipe_out(p.folder, p.reuse_dense, p.overwrite)
+            if p.reuse_dense and not p.keep:  # a dense model trained otherwise: refused now, not after seed 0
+                reusable_dense(p.folder, dataclasses.replace(settings, seed=p.seed))
         return made
 
     plans()  # refused before --out is made
     new = [p for p in (out, *out.parents) if not p.exists()]
-    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise InputError(f"cannot write to {out.parent}: {err.strerror or err}") from None
     locked = False
     try:
         with sole_writer(out, InputError, "--out"):
@@ -160,8 +165,6 @@ def run_seeds(out: str | Path, settings: RecipeSettings, seeds: Sequence[int], p
                 with suppress(OSError):
                     made.rmdir()
         raise
-    from vlmod.recipes.seeds import format_combined
-
     log(format_combined(combined))
     return combined
 

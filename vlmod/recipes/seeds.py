@@ -72,9 +72,9 @@ def combine(runs: Sequence[str | Path]) -> dict[str, Any]:
     for rec in records:
         keys += [k for k in map(_key, rec["results"]) if k not in keys]
     rows = []
+    denses = [next(r for r in rec["results"] if r["method"] == "dense") for rec in records]
     for method, target in keys:
         found = [next((r for r in rec["results"] if _key(r) == (method, target)), None) for rec in records]
-        denses = [next(r for r in rec["results"] if r["method"] == "dense") for rec in records]
         acc = [None if r is None else r["accuracy"] for r in found]
         gaps = [None if r is None or method == "dense" else _gap(r, d) for r, d in zip(found, denses, strict=True)]
         have = [(a, s) for a, s in zip(acc, seeds, strict=True) if a is not None]
