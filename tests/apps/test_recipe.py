@@ -190,6 +190,13 @@ def test_the_quick_detail_recipe_runs_every_method_at_every_point(tmp_path: Path
     assert all(answer_share(r["meta"], 96, 8) <= MAX_ANSWER_SHARE for r in records)
     assert "val_patch_digit_accuracy" in json.loads((out / "tower" / "log.json").read_text())
     assert json.loads((out / "init" / "config.json").read_text())["vision_config"]["image_size"] == 96
+    # The dense stage leaves the pretrained tower as it was (trained on, it forgot the glyphs).
+    from safetensors.torch import load_file
+
+    tower, dense = (load_file(out / run / "model" / "model.safetensors") for run in ("tower", "dense"))
+    vision = [k for k in tower if "vision_tower" in k]
+    assert vision and all(torch.equal(tower[k], dense[k]) for k in vision)
+    assert not all(torch.equal(tower[k], dense[k]) for k in tower if "language_model" in k)
 
 
 def test_the_demo_model_installs_from_a_recipe_run(image_run: tuple) -> None:

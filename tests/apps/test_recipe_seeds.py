@@ -4,6 +4,7 @@ the --quick run over two seeds is in test_recipe.py, beside the quick run it reu
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -87,6 +88,12 @@ def test_combine_refuses_runs_that_differ_beyond_the_seed_or_repeat_one(tmp_path
         combine([a, _run(tmp_path / "b", 1, dense, dense_steps=7)])
     with pytest.raises(InputError, match="seed 0 comes more than once"):
         combine([a, _run(tmp_path / "c", 0, dense)])
+    # A run older than a setting (its record lacks the key) ran at that setting's default: it combines.
+    old = _run(tmp_path / "old", 2, dense)
+    data = json.loads((old / "results.json").read_text())
+    del data["settings"]["stack_lr"]
+    (old / "results.json").write_text(json.dumps(data))
+    assert [r["accuracy"] for r in combine([a, old])["results"]] == [[0.96, 0.96]]
     with pytest.raises(InputError, match="has not finished"):
         combine([a, tmp_path / "d"])
     (tmp_path / "e").mkdir()
@@ -161,6 +168,16 @@ def test_a_resumed_run_keeps_finished_seeds_and_trains_the_rest(tmp_path: Path) 
     (stopped / "dense" / "recipe.json").write_text("{}")
     plan = plan_seed(stopped, s, True, True, False)
     assert plan.reuse_dense and not plan.reuse_trained and "fine-tunes had not all finished" in plan.note
+    for run in ("mod", "stack"):
+        (stopped / run / "model").mkdir(parents=True)
+        (stopped / run / "model" / "model.safetensors").write_bytes(b"weights")
+        (stopped / run / "train_log.json").write_text("{}")
+        assert plan_seed(stopped, s, True, True, False).reuse_trained == (run == "stack")
+    # No target past the MoD stage's points: the recipe trains no stacked stage, nor waits for one.
+    shutil.rmtree(stopped / "stack")
+    near = RecipeSettings.for_task("image", quick=True, targets=(1.5, 2.0), stack_train_from=None)
+    assert plan_seed(stopped, near, True, True, False).reuse_trained
+    assert not plan_seed(stopped, s, True, True, False).reuse_trained
     # Stopped by Ctrl-C: the rerun that keeps what the seeds finished.
     assert "run again with --reuse-dense --reuse-trained" in run_seeds_again(tmp_path, [0, 1])
     assert run_seeds_again(tmp_path / "new", [0, 1]) == "run again"

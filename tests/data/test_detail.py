@@ -146,3 +146,46 @@ def test_chance_of_the_detail_types_is_known() -> None:
     from vlmod.evaluation.evidence import chance_accuracy
 
     assert chance_accuracy(DETAIL_TYPES) == pytest.approx((1 / 10 + 1 / 5 + 1 / 6) / 3)
+
+
+def test_training_clutter_runs_from_none_and_validation_keeps_the_busy_pictures(detail_set: Path, tmp_path: Path) -> None:
+    """The curriculum (on by default) draws the training pictures' clutter glyphs from 0 up;
+    validation keeps 5-8 wherever they fit. Off, training is drawn as validation is."""
+    def clutter(records: list[dict]) -> list[int]:
+        return [len(r["meta"]["glyphs"]) - (r["meta"]["type"] != "count_small") for r in records]
+
+    train, val = clutter(_records(detail_set, "train")), clutter(_records(detail_set, "val"))
+    assert min(train) == 0 and np.mean(train) < np.mean(val) and min(val) >= 3
+    generate_detail(tmp_path / "flat", num_train=60, num_val=0, seed=3, curriculum=False)
+    assert min(clutter(_records(tmp_path / "flat", "train"))) >= 3
+    assert (tmp_path / "flat" / "train.json").read_bytes() != (detail_set / "train.json").read_bytes()
+
+
+def test_caption_records_name_every_glyph_and_marker_in_reading_order(tmp_path: Path) -> None:
+    from vlmod.models.tiny import WORDS
+
+    generate_detail(tmp_path / "set", num_train=9, num_val=3, seed=5, captions=True)
+    train = _records(tmp_path / "set", "train")
+    assert len(train) == 18 and len(_records(tmp_path / "set", "val")) == 3
+    for question, described in zip(train[:9], train[9:], strict=True):
+        m = question["meta"]
+        assert described["image"] == question["image"] and described["meta"]["type"] == "caption"
+        said = described["conversations"][-1]["value"].split(" , ")
+        by_words = {f"{g['color']} {DETAIL_ANSWERS['digit'][g['digit']]}": g["box"] for g in m["glyphs"]}
+        markers = [o for o in m["objects"] if o.get("small")]
+        assert sorted(said) == sorted([*by_words, *(f"small {o['color']}" for o in markers)])
+        # Reading order: the glyphs' cells (row, column) in the order the caption names them.
+        cells = [(by_words[w][1] // 8, by_words[w][0] // 8) for w in said if w in by_words]
+        assert cells == sorted(cells)
+        assert set(" ".join(said).split()) <= set(WORDS)
+    meta = json.loads((tmp_path / "set" / "meta.json").read_text())
+    assert meta["captions"] is True and meta["splits"]["train"]["records"] == 18
+
+
+def test_the_detail_recipe_refuses_the_shapes_sets_distractors() -> None:
+    """Before: `--task detail --distractors 2` ran and ignored the flag. Now one line says why."""
+    from vlmod.recipes.settings import RecipeSettings
+
+    with pytest.raises(InputError, match="the fine-detail set draws its own clutter: leave it out of --task detail"):
+        RecipeSettings.for_task("detail", distractors=2)
+    assert RecipeSettings.for_task("detail").dense_tower is False and RecipeSettings.for_task("image").dense_tower

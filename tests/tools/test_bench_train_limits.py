@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from collections import namedtuple
 
 import pytest
+from helpers.interrupt import terminate, wait_for_mark
 
 from vlmod.cli import main
 
@@ -86,16 +85,9 @@ def test_a_killed_run_leaves_no_pictures(tmp_path) -> None:
     run = subprocess.Popen([sys.executable, "-c", DRIVER, "bench", "train", "--preset", "tiny", "--batch-size", "400",
                             *FAST], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 300
-        while not marks.exists():
-            assert run.poll() is None, run.communicate()
-            assert time.monotonic() < deadline, "the batch was not started"
-            time.sleep(0.1)
+        wait_for_mark(run, marks, "the batch was not started")
         assert list(temp.glob("vlmod-bench-train-*/*.png"))
-        run.send_signal(signal.SIGTERM)
-        _, err = run.communicate(timeout=120)
-        assert run.returncode == 130, err
-        assert err.strip().splitlines()[-1] == "error: interrupted (Ctrl-C); nothing was left half-written"
+        terminate(run)
         assert list(temp.glob("vlmod-bench-train-*")) == []
     finally:
         if run.poll() is None:

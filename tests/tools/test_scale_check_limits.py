@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers.interrupt import terminate, wait_for_mark
 
 from vlmod.cli import main
 from vlmod.data.synthetic import generate
@@ -81,17 +82,10 @@ def test_a_killed_scale_check_stops_its_stage_and_leaves_no_temp_folder(tmp_path
                               stderr=subprocess.PIPE, text=True, start_new_session=True)
     pids: list[int] = []
     try:
-        deadline = time.monotonic() + 300
-        while not marks.exists():
-            assert driver.poll() is None, driver.communicate()
-            assert time.monotonic() < deadline, "the convert stage did not reach its save"
-            time.sleep(0.2)
+        wait_for_mark(driver, marks, "the convert stage did not reach its save")
         pids = [int(p) for p in marks.read_text().split()]
         assert list(root.glob(".converted.tmp-*"))  # convert is mid-save
-        driver.send_signal(signal.SIGTERM)
-        _, err = driver.communicate(timeout=120)
-        assert driver.returncode == 130, err
-        assert err.strip().splitlines()[-1] == "error: interrupted (Ctrl-C); nothing was left half-written"
+        terminate(driver)
         assert not [pid for pid in pids if _alive(pid)]  # the stage and its child
         assert not list(root.glob(".converted.tmp-*")) and not (root / "converted").exists()
     finally:

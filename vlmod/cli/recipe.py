@@ -178,7 +178,10 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                         help="evaluate MoD stacked on pre-LLM reduction at every point (default: on)")
     parser.add_argument("--captions", action=argparse.BooleanOptionalAction, default=None,
                         help="a caption record (every object in words) beside each training sample "
-                             "(default: image off, video on)")
+                             "(default: image and detail off, video on)")
+    parser.add_argument("--dense-tower", action=argparse.BooleanOptionalAction, default=None,
+                        help="the dense stage trains the vision tower too (off: frozen as its pretraining left it) "
+                             "(default: image and video on, detail off)")
     parser.add_argument("--no-distill", action="store_true",
                         help="MoD fine-tuning without distillation from the dense model (default: distill)")
     parser.add_argument("--dense-control", action="store_true",
@@ -230,7 +233,7 @@ def run_recipe_command(args: argparse.Namespace) -> int:
         overrides["routers"] = tuple(args.routers)
     if args.threads is not None:
         overrides["threads"] = args.threads
-    for flag in ("captions", "stacked"):
+    for flag in ("captions", "stacked", "dense_tower"):
         if getattr(args, flag) is not None:
             overrides[flag] = getattr(args, flag)
     if args.no_distill:

@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from vlmod.data.scenes import COLORS, COUNTS, SHAPES, background, shape_alpha, to_uint8
+from vlmod.data.scenes import COLORS, COUNTS, SHAPES, background, composite, shape_alpha, to_uint8
 from vlmod.errors import InputError
 
 DIGITS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
@@ -60,6 +60,10 @@ MIN_PATCH = 8  # a 5 x 7 glyph and its jitter fit inside one patch
 DEFAULT_IMAGE_SIZE, DEFAULT_PATCH_SIZE = 96, 8  # 12 x 12 = 144 vision tokens: 4 patches are 2.8%
 LARGE = (4, 6)  # large shapes a picture
 CLUTTER_GLYPHS = (5, 8)  # glyphs a picture besides the one asked about (as many as find room)
+CLUTTER_MARKERS = (1, 3)  # markers of other colours than the asked ones
+# The training split's clutter when `curriculum` is on: from none to the validation set's most, so
+# some questions can be answered by finding any glyph before the model learns to pick the named one.
+CURRICULUM_GLYPHS, CURRICULUM_MARKERS = (0, CLUTTER_GLYPHS[1]), (0, CLUTTER_MARKERS[1])
 MARKER_RADIUS = 2.5  # a small marker's outer radius at patch size 8: a 4 px square
 
 # 5 x 7 bitmaps, one string of 5 bits a row.
@@ -147,13 +151,15 @@ def _others(rng: np.random.Generator, pool: Sequence[Any], exclude: Any, n: int)
     return [rest[int(i)] for i in rng.integers(len(rest), size=n)]
 
 
-def _plan_items(rng: np.random.Generator, qtype: str, answer: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]], str]:
+def _plan_items(rng: np.random.Generator, qtype: str, answer: str, glyph_range: tuple[int, int] = CLUTTER_GLYPHS,
+                marker_range: tuple[int, int] = CLUTTER_MARKERS) -> tuple[list[dict[str, Any]], list[dict[str, Any]], str]:
     """(the items the answer rests on, the clutter, the question): glyphs ({"digit", "color"}) and
-    markers ({"color"}). The question names its item uniquely: the only glyph of its colour, the
-    only glyph of its digit, the only small things of its colour."""
+    markers ({"color"}), as many clutter glyphs and markers as drawn from the two ranges. The
+    question names its item uniquely: the only glyph of its colour, the only glyph of its digit,
+    the only small things of its colour."""
     colors = list(COLORS)
-    n_glyphs = int(rng.integers(CLUTTER_GLYPHS[0], CLUTTER_GLYPHS[1] + 1))
-    markers = [{"color": c} for c in _others(rng, colors, None, int(rng.integers(1, 4)))]
+    n_glyphs = int(rng.integers(glyph_range[0], glyph_range[1] + 1))
+    markers = [{"color": c} for c in _others(rng, colors, None, int(rng.integers(marker_range[0], marker_range[1] + 1)))]
     if qtype == "count_small":
         color = colors[int(rng.integers(len(colors)))]
         target = [{"color": color} for _ in range(DETAIL_ANSWERS[qtype].index(answer))]
@@ -190,22 +196,22 @@ def _draw_item(rng: np.random.Generator, img: np.ndarray, item: dict[str, Any], 
     marker = {"shape": "square", "color": item["color"], "center": [round(cx, 3), round(cy, 3)], "radius": radius,
               "small": True}
     # Drawn on the cell alone (it never leaves it): a whole-picture canvas a marker cost 3x the time.
-    alpha = shape_alpha("square", *marker["center"], radius, patch, origin=(x_cell, y_cell))[..., None]
-    cell_px = img[y_cell:y_cell + patch, x_cell:x_cell + patch]
-    cell_px *= 1.0 - alpha
-    cell_px += alpha * np.asarray(COLORS[item["color"]], dtype=np.float32)
+    composite(img[y_cell:y_cell + patch, x_cell:x_cell + patch],
+              shape_alpha("square", *marker["center"], radius, patch, origin=(x_cell, y_cell)), item["color"])
     return {**marker, "box": [x_cell, y_cell, x_cell + patch, y_cell + patch]}
 
 
 def detail_sample(rng: np.random.Generator, qtype: str, answer: str, size: int = DEFAULT_IMAGE_SIZE,
-                  patch: int = DEFAULT_PATCH_SIZE) -> tuple[np.ndarray, str, dict[str, Any]]:
-    """(image uint8 [size, size, 3], question, meta) of one fine-detail question whose answer is `answer`."""
+                  patch: int = DEFAULT_PATCH_SIZE, curriculum: bool = False) -> tuple[np.ndarray, str, dict[str, Any]]:
+    """(image uint8 [size, size, 3], question, meta) of one fine-detail question whose answer is
+    `answer`; `curriculum`: the clutter drawn from the training split's wider ranges (none to most)."""
     if qtype not in DETAIL_TYPES:
         raise ValueError(f"unknown fine-detail question type {qtype!r}; types: {', '.join(DETAIL_TYPES)}")
     if answer not in DETAIL_ANSWERS[qtype]:
         raise ValueError(f"{answer!r} is not an answer of {qtype!r} questions: {DETAIL_ANSWERS[qtype]}")
     colors = list(COLORS)
-    targets, clutter, question = _plan_items(rng, qtype, answer)
+    ranges = (CURRICULUM_GLYPHS, CURRICULUM_MARKERS) if curriculum else (CLUTTER_GLYPHS, CLUTTER_MARKERS)
+    targets, clutter, question = _plan_items(rng, qtype, answer, *ranges)
     while True:  # a scene whose large shapes leave no room for the answer is drawn again (same seed, same draws)
         large = []
         for _ in range(int(rng.integers(LARGE[0], LARGE[1] + 1))):
@@ -219,8 +225,7 @@ def detail_sample(rng: np.random.Generator, qtype: str, answer: str, size: int =
             break
     img = background(rng, size)
     for o, alpha in zip(large, alphas, strict=True):  # as `scenes.paint`, on the coverage computed once
-        img *= 1.0 - alpha[..., None]
-        img += alpha[..., None] * np.asarray(COLORS[o["color"]], dtype=np.float32)
+        composite(img, alpha, o["color"])
     drawn = [_draw_item(rng, img, item, cell, patch) for item, cell in zip(targets + clutter, cells, strict=False)]
     boxes = [d["box"] for d in drawn[:len(targets)]]
     meta = {"type": qtype, "objects": large + [d for d in drawn if "shape" in d],
@@ -229,12 +234,24 @@ def detail_sample(rng: np.random.Generator, qtype: str, answer: str, size: int =
     return to_uint8(img), question, meta
 
 
+def caption(meta: dict[str, Any]) -> str:
+    """Every glyph and marker of a picture in reading order ("red three , small blue , green seven"):
+    the large shapes are left to the tower's labels."""
+    size = meta["patch_size"]
+    items = [(g["box"], f"{g['color']} {DIGITS[g['digit']]}") for g in meta["glyphs"]]
+    items += [(o["box"], f"small {o['color']}") for o in meta["objects"] if o.get("small")]
+    return " , ".join(words for box, words in sorted(items, key=lambda it: (it[0][1] // size, it[0][0] // size)))
+
+
 def generate_detail(out_dir: str | Path, num_train: int, num_val: int, image_size: int = DEFAULT_IMAGE_SIZE,
                     patch_size: int = DEFAULT_PATCH_SIZE, seed: int = 0,
-                    question_types: Sequence[str] = DETAIL_TYPES, progress: bool = False) -> Any:
+                    question_types: Sequence[str] = DETAIL_TYPES, curriculum: bool = True, captions: bool = False,
+                    progress: bool = False) -> Any:
     """Write the fine-detail set to `out_dir` (the module doc) and say what was written
-    (`synthetic.SyntheticSummary`). Refuses a resolution whose answers could exceed
-    MAX_ANSWER_SHARE of the vision tokens (`check_resolution`). Same arguments, same bytes."""
+    (`synthetic.SyntheticSummary`). `curriculum`: the training pictures' clutter from none to the
+    validation set's most (CURRICULUM_GLYPHS); `captions`: a caption record (`caption`) beside each
+    training question. Refuses a resolution whose answers could exceed MAX_ANSWER_SHARE of the
+    vision tokens (`check_resolution`). Same arguments, same bytes."""
     from tqdm.auto import tqdm
 
     from vlmod.data.synthetic import (
@@ -264,7 +281,7 @@ def generate_detail(out_dir: str | Path, num_train: int, num_val: int, image_siz
             records, names = [], set()
             for i, (qtype, answer) in enumerate(plan):
                 img, question, meta = detail_sample(np.random.default_rng([seed, code, 2, i]), qtype, answer,
-                                                    image_size, patch_size)
+                                                    image_size, patch_size, curriculum=curriculum and split == "train")
                 name = f"{i:06d}.png"
                 _write_png(folder / name, img)
                 names.add(name)
@@ -273,17 +290,23 @@ def generate_detail(out_dir: str | Path, num_train: int, num_val: int, image_siz
                 bar.update(1)
             _remove_stale(folder, names)
             counts = _answer_counts(records, qtypes, DETAIL_ANSWERS)
+            if captions and split == "train":
+                records += [{"id": f"caption-{r['id']}", "image": r["image"], "conversations": [
+                    {"from": "human", "value": "<image>\ndescribe the image ."},
+                    {"from": "gpt", "value": caption(r["meta"])}], "meta": {**r["meta"], "type": "caption"}}
+                    for r in records]
             path = out / f"{split}.json"
             _write_records(path, records)
             summary.files[split], summary.records[split], summary.answer_counts[split] = path, len(records), counts
             splits[split] = {"file": path.name, "records": len(records), "answer_counts": counts}
     _write_json(out / "meta.json", {
         "generator": "vlmod.data.detail", "seed": seed, "image_size": image_size, "patch_size": patch_size,
-        "max_answer_share": MAX_ANSWER_SHARE, "question_types": list(qtypes), "questions": DETAIL_QUESTIONS,
+        "max_answer_share": MAX_ANSWER_SHARE,
+        "curriculum": curriculum, "captions": captions, "question_types": list(qtypes), "questions": DETAIL_QUESTIONS,
         "answers": {k: list(v) for k, v in DETAIL_ANSWERS.items()}, "splits": splits,
     })
     return summary
 
 
 __all__ = ["DETAIL_ANSWERS", "DETAIL_QUESTIONS", "DETAIL_TYPES", "DIGITS", "FONT", "MAX_ANSWER_SHARE", "answer_share",
-           "box_patches", "check_resolution", "detail_sample", "generate_detail", "glyph_mask"]
+           "box_patches", "caption", "check_resolution", "detail_sample", "generate_detail", "glyph_mask"]

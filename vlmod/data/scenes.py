@@ -117,13 +117,17 @@ def shape_alpha(shape: str, cx: float, cy: float, r: float, size: int,
     return np.asarray(small, dtype=np.float32) / 255.0
 
 
+def composite(img: np.ndarray, alpha: np.ndarray, color: str) -> None:
+    """Lay `color` over `img` [H, W, 3] in place with coverage `alpha` [H, W]."""
+    alpha = alpha[..., None]
+    img *= 1.0 - alpha
+    img += alpha * np.asarray(COLORS[color], dtype=np.float32)
+
+
 def paint(img: np.ndarray, obj: dict[str, Any]) -> None:
     """Composite one object (shape, color, center, radius) onto `img` in place."""
-    size = img.shape[0]
     cx, cy = obj["center"]
-    alpha = shape_alpha(obj["shape"], cx, cy, obj["radius"], size)[..., None]
-    img *= 1.0 - alpha
-    img += alpha * np.asarray(COLORS[obj["color"]], dtype=np.float32)
+    composite(img, shape_alpha(obj["shape"], cx, cy, obj["radius"], img.shape[0]), obj["color"])
 
 
 def to_uint8(img: np.ndarray) -> np.ndarray:

@@ -184,7 +184,7 @@ class _Recipe(PointEvaluations):
                      num_val_videos=s.num_val, num_frames=s.frames, progress=self.progress)
         elif s.task == "detail":  # the fine-detail set: the image task's stages on small glyphs and markers
             generate_detail(self.data, s.num_train, s.num_val, image_size=s.image_size, patch_size=s.patch_size,
-                            seed=s.seed, progress=self.progress)
+                            seed=s.seed, captions=s.captions, progress=self.progress)
         else:
             generate(self.data, s.num_train, s.num_val, image_size=s.image_size, distractors=s.distractors, seed=s.seed,
                      captions=s.captions, progress=self.progress)
@@ -263,7 +263,7 @@ class _Recipe(PointEvaluations):
             first = stages.run("pretrain tower", lambda: self.pretrain(first))
         start = stages.run("train on images", lambda: self.train_on_images(first)) if s.image_steps or s.image_model else first
         stages.run("train dense", lambda: self.finetune(
-            start, DENSE_RUN, trainable="full", train_vision_tower=True, lr=s.dense_lr, max_steps=s.dense_steps,
+            start, DENSE_RUN, trainable="full", train_vision_tower=s.dense_tower, lr=s.dense_lr, max_steps=s.dense_steps,
             weight_decay=s.weight_decay,
         ))
         self.record(DENSE_RUN)

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import errno
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
-from dataclasses import fields
+from dataclasses import MISSING, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from vlmod.errors import InputError
 from vlmod.io.files import sole_writer
@@ -25,7 +25,8 @@ CONTROL_STAGES = ("train dense control", "eval dense control")  # opt-in: left o
 # The settings the first dense model depends on, and (`refine_steps` > 0) the refined one too.
 DENSE_SETTINGS = (
     "task", "num_train", "image_size", "frames", "video_pool", "distractors", "captions", "width", "layers", "heads", "kv_heads",
-    "vision_width", "vision_layers", "patch_size", "tower_steps", "dense_steps", "dense_lr", "weight_decay", "batch_size", "seed",
+    "vision_width", "vision_layers", "patch_size", "tower_steps", "dense_steps", "dense_lr", "dense_tower", "weight_decay",
+    "batch_size", "seed",
     "image_steps", "num_train_images", "image_batch_size", "image_model",
 )
 REFINE_SETTINGS = ("refine_steps",)
@@ -37,6 +38,7 @@ _RUN_PATHS = ("model", "data", "output_dir", "distill_from", "overwrite", "resum
 
 
 RECIPE = "vlmod recipe"  # the command a recipe folder's marker names
+T = TypeVar("T")
 
 
 def made_by_recipe(out: Path) -> bool:
@@ -83,14 +85,13 @@ def run_again(out: Path) -> str:
 
 
 @contextmanager
-def recipe_folder(out: str | Path, reuse_dense: bool = False, overwrite: bool = False) -> Iterator[Path]:
-    """`out`, checked (`check_recipe_out`) before anything is created, then held against a second
-    recipe on it (`sole_writer`), created and marked as a recipe's while the body runs. A run that
-    stops (a refusal, Ctrl-C) before any stage wrote there leaves no folder (nor marker) behind."""
-    from vlmod.io.paths import check_output_dir
-
-    folder = check_output_dir(out, "--out")
-    check_recipe_out(folder, reuse_dense, overwrite)
+def owned_folder(folder: Path, command: str, check: Callable[[], T]) -> Iterator[T]:
+    """Run `check` (it refuses what may not be written), then hold `folder` against a second run
+    (`sole_writer`), `check` again (another run may have changed it in between), create the folder
+    and mark it as `command`'s while the body runs, given what the second `check` returned. A run
+    that stops (a refusal, Ctrl-C) before anything else was written there leaves no folder (nor
+    marker) behind."""
+    check()
     new = [p for p in (folder, *folder.parents) if not p.exists()]  # what this run creates, innermost first
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
@@ -98,15 +99,15 @@ def recipe_folder(out: str | Path, reuse_dense: bool = False, overwrite: bool = 
         raise InputError(f"cannot write to {folder.parent}: {err.strerror or err}") from None
     locked = False
     try:
-        with sole_writer(folder, InputError, "--out"), full_disk(folder):
+        with sole_writer(folder, InputError, "--out"):
             locked = True
-            check_recipe_out(folder, reuse_dense, overwrite)  # again, locked: another run may have started in between
+            checked = check()
             folder.mkdir(exist_ok=True)
-            marked = made_by(folder) != RECIPE
+            marked = made_by(folder) != command
             if marked:
-                Ledger(folder, RECIPE).save()
+                Ledger(folder, command).save()
             try:
-                yield folder
+                yield checked
             except BaseException:
                 if marked and not entries(folder):  # nothing written but the marker: take it back
                     (folder / MARKER).unlink(missing_ok=True)
@@ -116,6 +117,17 @@ def recipe_folder(out: str | Path, reuse_dense: bool = False, overwrite: bool = 
             with suppress(OSError):
                 made.rmdir()
         raise
+
+
+@contextmanager
+def recipe_folder(out: str | Path, reuse_dense: bool = False, overwrite: bool = False) -> Iterator[Path]:
+    """`out`, checked (`check_recipe_out`) before anything is created, then held against a second
+    recipe on it, created and marked as a recipe's while the body runs (`owned_folder`)."""
+    from vlmod.io.paths import check_output_dir
+
+    folder = check_output_dir(out, "--out")
+    with owned_folder(folder, RECIPE, lambda: check_recipe_out(folder, reuse_dense, overwrite)), full_disk(folder):
+        yield folder
 
 
 # What a write raises when the disk (or the user's quota) is full, or the file system went read-only.
@@ -140,11 +152,16 @@ def full_disk(folder: Path) -> Iterator[None]:
                          f"or choose another --out, then {run_again(folder)}") from None
 
 
+def _as_json(value: Any) -> Any:
+    """`value` as a record read back holds it (a tuple as a list, a float key as a string)."""
+    return json.loads(json.dumps(value))
+
+
 def changed_settings(saved: dict[str, Any], now: Any, keys: Any) -> list[str]:
-    """The `keys` of dataclass `now` whose value differs from the `saved` record's (a key the
-    record lacks, added since that run, counts as its default)."""
-    defaults = {f.name: f.default for f in fields(now)}
-    return [k for k in keys if saved.get(k, defaults.get(k)) != getattr(now, k)]
+    """The `keys` of dataclass `now` whose value differs from the `saved` record's, compared as
+    JSON holds them (a key the record lacks, added since that run, counts as its default)."""
+    defaults = {f.name: f.default for f in fields(now) if f.default is not MISSING}
+    return [k for k in keys if _as_json(saved.get(k, defaults.get(k))) != _as_json(getattr(now, k))]
 
 
 # What to do about a damaged record of an earlier run, which --reuse-dense / --reuse-trained cannot keep.

@@ -15,15 +15,21 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Callable, Sequence
-from contextlib import suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from vlmod.errors import InputError
-from vlmod.io.files import sole_writer
-from vlmod.io.owned import MARKER, Ledger, entries
-from vlmod.recipes.reuse import FULL_DISK, check_recipe_out, dense_finished, made_by_recipe, reusable_dense
+from vlmod.io.owned import Ledger, entries
+from vlmod.recipes.reuse import (
+    FULL_DISK,
+    changed_settings,
+    check_recipe_out,
+    dense_finished,
+    made_by_recipe,
+    owned_folder,
+    reusable_dense,
+)
 from vlmod.recipes.seeds import RESULTS, format_combined, write_combined
 from vlmod.recipes.settings import RecipeSettings, check_image_model
 
@@ -53,12 +59,15 @@ def _same_settings(folder: Path, s: RecipeSettings) -> bool:
         saved = json.loads((folder / RESULTS).read_text(encoding="utf-8"))["settings"]
     except (OSError, UnicodeDecodeError, RecursionError, ValueError, KeyError, TypeError):
         return False
-    now, defaults = (json.loads(json.dumps(x.to_dict())) for x in (s, RecipeSettings()))
-    return isinstance(saved, dict) and all(saved.get(k, defaults.get(k)) == v for k, v in now.items() if k != "threads")
+    return isinstance(saved, dict) and not changed_settings(saved, s, [f.name for f in fields(s) if f.name != "threads"])
 
 
 def _fine_tunes_finished(folder: Path, s: RecipeSettings) -> bool:
-    runs = ["mod"] + ["stack"] * bool(s.stacked and s.stack_steps) + ["dense-control"] * s.dense_control
+    """Whether every fine-tune the recipe trains finished there: the stacked stage only where a
+    target lies past the points the MoD stage trains at (else the recipe skips it)."""
+    train_from = s.train_up_to if s.stack_train_from is None else s.stack_train_from
+    stacks = s.stacked and s.stack_steps and any(t > train_from for t in s.targets)
+    runs = ["mod"] + ["stack"] * bool(stacks) + ["dense-control"] * s.dense_control
     return all((folder / r / "model" / "model.safetensors").is_file() and (folder / r / "train_log.json").is_file()
                for r in runs)
 
@@ -130,41 +139,22 @@ def run_seeds(out: str | Path, settings: RecipeSettings, seeds: Sequence[int], p
                 reusable_dense(p.folder, dataclasses.replace(settings, seed=p.seed))
         return made
 
-    plans()  # refused before --out is made
-    new = [p for p in (out, *out.parents) if not p.exists()]
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise InputError(f"cannot write to {out.parent}: {err.strerror or err}") from None
-    locked = False
-    try:
-        with sole_writer(out, InputError, "--out"):
-            locked = True
-            todo = plans()  # again, locked: another run may have changed --out in between
-            out.mkdir(exist_ok=True)
-            ledger = Ledger(out, SEEDS)
-            ledger.save()
-            for i, p in enumerate(todo, 1):
-                log(f"== seed {i} of {len(todo)}: --seed {p.seed} into {p.folder}{p.note}")
-                ledger.claim(p.folder.name)
-                if not p.keep:
-                    run_recipe(p.folder, dataclasses.replace(settings, seed=p.seed), progress=progress, log=log,
-                               reuse_dense=p.reuse_dense, reuse_trained=p.reuse_trained, overwrite=p.overwrite)
-            ledger.claim(RESULTS), ledger.claim("results.md")
-            try:
-                combined = write_combined(out, [p.folder for p in todo])
-            except OSError as e:
-                if e.errno not in FULL_DISK:
-                    raise
-                raise InputError(f"could not write under --out {out}: {e.strerror}; nothing was left half-written: "
-                                 "free space, then run again with --reuse-dense --reuse-trained") from None
-    except BaseException:
-        if locked and not entries(out):  # nothing written but the marker: take it back, and the folders made
-            (out / MARKER).unlink(missing_ok=True)
-            for made in new:
-                with suppress(OSError):
-                    made.rmdir()
-        raise
+    with owned_folder(out, SEEDS, plans) as todo:
+        ledger = Ledger(out, SEEDS)
+        for i, p in enumerate(todo, 1):
+            log(f"== seed {i} of {len(todo)}: --seed {p.seed} into {p.folder}{p.note}")
+            ledger.claim(p.folder.name)
+            if not p.keep:
+                run_recipe(p.folder, dataclasses.replace(settings, seed=p.seed), progress=progress, log=log,
+                           reuse_dense=p.reuse_dense, reuse_trained=p.reuse_trained, overwrite=p.overwrite)
+        ledger.claim(RESULTS), ledger.claim("results.md")
+        try:
+            combined = write_combined(out, [p.folder for p in todo])
+        except OSError as e:
+            if e.errno not in FULL_DISK:
+                raise
+            raise InputError(f"could not write under --out {out}: {e.strerror}; nothing was left half-written: "
+                             "free space, then run again with --reuse-dense --reuse-trained") from None
     log(format_combined(combined))
     return combined
 

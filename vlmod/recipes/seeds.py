@@ -19,6 +19,7 @@ from vlmod.evaluation.evidence import PIPELINE_ONLY
 from vlmod.evaluation.frontier import paired_gap, rows_evidence
 from vlmod.io.files import write_json, write_text
 from vlmod.recipes.reuse import read_record
+from vlmod.recipes.settings import with_defaults
 
 RESULTS = "results.json"
 _FREE = ("seed", "threads")  # settings that may differ between the runs combined
@@ -61,10 +62,10 @@ def combine(runs: Sequence[str | Path]) -> dict[str, Any]:
     repeated = sorted({s for s in seeds if seeds.count(s) > 1}, key=str)
     if repeated:
         raise InputError(f"--seeds: seed {', '.join(map(str, repeated))} comes more than once; combine each seed once")
-    first = {k: v for k, v in records[0]["settings"].items() if k not in _FREE}
+    first = with_defaults(records[0]["settings"])
     for run, rec in zip(runs[1:], records[1:], strict=True):
-        other = {k: v for k, v in rec["settings"].items() if k not in _FREE}
-        changed = sorted(k for k in first.keys() | other.keys() if first.get(k) != other.get(k))
+        other = with_defaults(rec["settings"])
+        changed = sorted(k for k in first.keys() | other.keys() if k not in _FREE and first.get(k) != other.get(k))
         if changed:
             raise InputError(f"--seeds: {run} ran with other {', '.join(changed)} than {runs[0]}; combine runs "
                              "that differ in the seed only")
