@@ -258,6 +258,7 @@ def generate_detail(out_dir: str | Path, num_train: int, num_val: int, image_siz
         SyntheticSummary,
         _answer_counts,
         _balanced_plan,
+        _caption_records,
         _check_types,
         _remove_stale,
         _write_json,
@@ -291,10 +292,7 @@ def generate_detail(out_dir: str | Path, num_train: int, num_val: int, image_siz
             _remove_stale(folder, names)
             counts = _answer_counts(records, qtypes, DETAIL_ANSWERS)
             if captions and split == "train":
-                records += [{"id": f"caption-{r['id']}", "image": r["image"], "conversations": [
-                    {"from": "human", "value": "<image>\ndescribe the image ."},
-                    {"from": "gpt", "value": caption(r["meta"])}], "meta": {**r["meta"], "type": "caption"}}
-                    for r in records]
+                records += _caption_records(records, None, caption)
             path = out / f"{split}.json"
             _write_records(path, records)
             summary.files[split], summary.records[split], summary.answer_counts[split] = path, len(records), counts

@@ -49,7 +49,7 @@ import json
 import os
 import re
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -286,15 +286,17 @@ def caption(meta: dict[str, Any], num_frames: int | None = None) -> str:
     return " , ".join(words)
 
 
-def _caption_records(records: list[dict[str, Any]], num_frames: int | None) -> list[dict[str, Any]]:
+def _caption_records(records: list[dict[str, Any]], num_frames: int | None,
+                     describe: Callable[[dict[str, Any]], str] | None = None) -> list[dict[str, Any]]:
     """One caption record per record, on the same picture or clip (training only: every object
-    named in every sample is the dense supervision a tiny model learns to see from)."""
+    named in every sample is the dense supervision a tiny model learns to see from); `describe`:
+    its text from the record's meta (default: `caption`)."""
     kind = "image" if num_frames is None else "video"
     return [{
         "id": f"caption-{r['id']}",
         kind: r[kind],
         "conversations": [{"from": "human", "value": f"<{kind}>\ndescribe the {kind} ."},
-                          {"from": "gpt", "value": caption(r["meta"], num_frames)}],
+                          {"from": "gpt", "value": (describe or (lambda m: caption(m, num_frames)))(r["meta"])}],
         "meta": {"type": "caption", "objects": r["meta"]["objects"]},
     } for r in records]
 
