@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from vlmod.errors import TrainError
-from vlmod.io.files import write_json
+from vlmod.io.files import folder_written, write_json
 from vlmod.io.safetensors_layout import align_folder
 from vlmod.training.merge import merge_lora_mapped, merged_lora_state_dict, save_adapter
 from vlmod.training.resume import DATA_KEY, data_fingerprint, settings_diff
@@ -293,11 +293,9 @@ def save_model(accelerator: Any, model: nn.Module, processor: Any, out: Path, dt
     first (a sharded run's trained shards are float32 master weights that `cast_trainable` cannot
     reach; one process casts its model before saving, and merges LoRA after that cast too)."""
     state_dict = accelerator.get_state_dict(model)
-    tmp = out.with_name(out.name + ".tmp")
     if accelerator.is_main_process and dtype is not None:
         state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
     if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
         model = accelerator.unwrap_model(model)
         from safetensors import SafetensorError
 
@@ -305,21 +303,21 @@ def save_model(accelerator: Any, model: nn.Module, processor: Any, out: Path, dt
 
         scratch = out.with_name(out.name + ".merge.tmp")  # merged LoRA projections, mapped while saving
         try:
-            if hasattr(model, "peft_config"):
-                save_adapter(model, state_dict, out.with_name("adapter"))  # before the merge changes the model
-            if hasattr(model, "peft_config") and weights_gathered(accelerator):
-                model, state_dict = model.get_base_model(), merged_lora_state_dict(model, state_dict)
-            elif hasattr(model, "peft_config"):
-                model, state_dict = merge_lora_mapped(model, scratch), None
-            keep_used_key_conversions(model)
-            model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-            align_folder(tmp)  # loading maps the weights and computes what was saved, bit for bit
-            processor.save_pretrained(tmp)
-            short = damaged_safetensors(tmp)  # a full disk can leave a short file without an error
-            if short:
-                raise OSError(f"{short} (is the disk full?)")
+            with folder_written(out) as tmp:  # `out` complete or absent
+                if hasattr(model, "peft_config"):
+                    save_adapter(model, state_dict, out.with_name("adapter"))  # before the merge changes the model
+                if hasattr(model, "peft_config") and weights_gathered(accelerator):
+                    model, state_dict = model.get_base_model(), merged_lora_state_dict(model, state_dict)
+                elif hasattr(model, "peft_config"):
+                    model, state_dict = merge_lora_mapped(model, scratch), None
+                keep_used_key_conversions(model)
+                model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+                align_folder(tmp)  # loading maps the weights and computes what was saved, bit for bit
+                processor.save_pretrained(tmp)
+                short = damaged_safetensors(tmp)  # a full disk can leave a short file without an error
+                if short:
+                    raise OSError(f"{short} (is the disk full?)")
         except (OSError, SafetensorError) as e:
-            shutil.rmtree(tmp, ignore_errors=True)
             reason = getattr(e, "strerror", None) or str(e).splitlines()[0]
             kept = latest_checkpoint(out.parent)
             then = (
@@ -331,7 +329,5 @@ def save_model(accelerator: Any, model: nn.Module, processor: Any, out: Path, dt
             ) from None
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
-        shutil.rmtree(out, ignore_errors=True)
-        os.replace(tmp, out)
     accelerator.wait_for_everyone()
     return out
