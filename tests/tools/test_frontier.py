@@ -86,21 +86,32 @@ def test_every_clip_question_type_is_drawn_as_its_answer_says() -> None:
                 assert len({o["shape"] for o in objects}) == len(objects)
                 spans = sorted(tuple(o["frames"]) for o in objects)
                 assert all(a[1] < b[0] for a, b in zip(spans, spans[1:], strict=False))  # never two at once
-            if qtype == "last":
-                assert max(objects, key=lambda o: o["frames"][0])["shape"] == answer
+            if qtype in ("first", "last"):  # 3-4 kinds, one after another, the answer first (or last)
+                assert 3 <= len(objects) <= 4 and len({o["shape"] for o in objects}) == len(objects)
+                # the middle frame (the one-frame check's) shows neither the first shape nor the last
+                assert not any(o["frames"][0] <= 4 <= o["frames"][1] for o in (objects[0], objects[-1]))
+                spans = [tuple(o["frames"]) for o in objects]
+                assert spans[0][0] == 0 and spans[-1][1] == 7  # consecutive spans over the clip
+                assert all(a[1] + 1 == b[0] for a, b in zip(spans, spans[1:], strict=False))
+                assert objects[0 if qtype == "first" else -1]["shape"] == answer == objects[meta["target"]]["shape"]
             if qtype == "when":
                 thirds = [(0, 2), (3, 4), (5, 7)]  # 8 frames in three near-equal spans
                 assert tuple(objects[0]["frames"]) == thirds[["start", "middle", "end"].index(answer)]
             if qtype in ("color", "shape"):
                 assert objects[0][qtype] == answer and objects[0]["frames"] == [0, 7]
+            if qtype in ("direction", "when", "shape"):  # the named object is the only one of its colour
+                assert all(o["color"] != objects[0]["color"] for o in objects[1:])
+            if qtype == "color":  # no distractor: the model is not asked to find an object by its shape
+                assert len(objects) == 1
     assert set(TEMPORAL_TYPES) < set(VIDEO_QUESTION_TYPES)
 
 
 def test_clip_questions_need_enough_frames() -> None:
     import numpy as np
 
-    with pytest.raises(ValueError, match="at least 4 frames"):
-        video_sample(np.random.default_rng(0), "distinct", "two", 32, 3)
+    for qtype, answer in (("distinct", "two"), ("first", "star"), ("last", "star")):
+        with pytest.raises(ValueError, match="at least 4 frames"):
+            video_sample(np.random.default_rng(0), qtype, answer, 32, 3)
 
 
 # ----------------------------------------------------------------------------- the video path
@@ -725,13 +736,13 @@ def test_a_toy_run_gives_no_verdict() -> None:
     from vlmod.evaluation.evidence import chance_accuracy, verdict_evidence
     from vlmod.evaluation.frontier import verdicts
 
-    toy = [{**_row("dense", "0" * 7, samples=7), "accuracy_by_type": {"when": 0.0, "order": 0.0}},
-           {**_row("learned", "0" * 7, 3.0, 3.0, samples=7), "accuracy_by_type": {"when": 0.0, "order": 0.0}}]
+    toy = [{**_row("dense", "0" * 7, samples=7), "accuracy_by_type": {"when": 0.0, "first": 0.0}},
+           {**_row("learned", "0" * 7, 3.0, 3.0, samples=7), "accuracy_by_type": {"when": 0.0, "first": 0.0}}]
     lines = verdicts(toy, {3.0: 1.0})
     assert lines == ["This run checks the pipeline only, so it gives no verdict (7 questions, a verdict needs "
-                     "at least 200; dense 0.0% is not 10 points above chance 41.7%)."]
+                     "at least 200; dense 0.0% is not 10 points above chance 26.7%)."]
     assert not any("met" in line or "best of all" in line for line in lines)
-    assert chance_accuracy(["when", "order"]) == pytest.approx((1 / 3 + 1 / 2) / 2)
+    assert chance_accuracy(["when", "first"]) == pytest.approx((1 / 3 + 1 / 5) / 2)
     assert chance_accuracy(["a real question"]) is None
     # Enough questions but dense at chance: still none; 10 points above it: a verdict.
     assert not verdict_evidence(0.45, 400, 0.4).enough and verdict_evidence(0.51, 400, 0.4).enough

@@ -23,7 +23,6 @@ SHAPES = ("circle", "square", "triangle", "star", "cross")
 POSITIONS = ("top left", "top", "top right", "left", "center", "right", "bottom left", "bottom", "bottom right")
 COUNTS = ("one", "two", "three", "four")
 DIRECTIONS = ("left", "right", "up", "down")
-ORDERS = ("before", "after")
 THIRDS = ("start", "middle", "end")
 
 IMAGE_QUESTION_TYPES = ("color", "shape", "count", "position")
@@ -33,7 +32,7 @@ ANSWERS: dict[str, tuple[str, ...]] = {
     "count": COUNTS,
     "position": POSITIONS,
     "direction": DIRECTIONS,
-    "order": ORDERS,
+    "first": SHAPES,
     "distinct": COUNTS,
     "when": THIRDS,
     "last": SHAPES,
@@ -44,7 +43,7 @@ QUESTIONS: dict[str, str] = {
     "count": "how many objects are there ?",
     "position": "where is the {color} {shape} ?",
     "direction": "which direction is the {color} {shape} moving ?",
-    "order": "is the {color} {shape} before or after the {color2} {shape2} ?",
+    "first": "which shape appears first ?",
     "distinct": "how many different shapes appear in the video ?",
     "when": "when does the {color} {shape} appear : start , middle or end ?",
     "last": "which shape appears last ?",

@@ -25,9 +25,9 @@ The object a question names is unique in its image (the only circle, the only re
 only red circle); the other shapes are distractors. Colour/shape/position images hold 1-3
 shapes (`distractors=2`; 0 gives one-shape scenes, an easier set), count images 1-4.
 
-Video questions (`video=True`; `num_frames` frames, an mp4 per record): direction, order,
-distinct (how many different shapes), when (start / middle / end), last (which shape appears
-last), and single-frame colour and shape questions asked about a clip; see
+Video questions (`video=True`; `num_frames` frames, an mp4 per record): direction, first
+(which shape appears first), distinct (how many different shapes), when (start / middle / end),
+last (which shape appears last), and single-frame colour and shape questions asked about a clip; see
 `vlmod.data.synthetic_video`. The vocabulary and drawing live in `vlmod.data.scenes`.
 
 Answers are balanced: question types take turns, and within a type every answer occurs equally
