@@ -97,6 +97,7 @@ def test_every_clip_question_type_is_drawn_as_its_answer_says() -> None:
             if qtype == "when":
                 thirds = [(0, 2), (3, 4), (5, 7)]  # 8 frames in three near-equal spans
                 assert tuple(objects[0]["frames"]) == thirds[["start", "middle", "end"].index(answer)]
+                assert all(o["frames"] == [0, 7] for o in objects[1:])  # a distractor is static, in every frame
             if qtype in ("color", "shape"):
                 assert objects[0][qtype] == answer and objects[0]["frames"] == [0, 7]
             if qtype in ("direction", "when", "shape"):  # the named object is the only one of its colour

@@ -23,7 +23,9 @@ MANIFEST = "examples.json"
 IMAGE_SIZE = 32
 DISTRACTORS = 0
 # The clip questions the embedded model was trained on that the synthetic set still asks (it was
-# trained on `order` too, which `first` has replaced since: vlmod.data.synthetic_video).
+# trained on `order` too, which `first` has replaced since: vlmod.data.synthetic_video; and on
+# `when` clips whose distractor showed at another time, not in every frame as now: on 300 of the
+# new ones it answers 77.7%, every lone-object clip and 69% of those with the static distractor).
 EMBEDDED_VIDEO_TYPES = ("direction", "distinct", "when", "last", "color", "shape")
 NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,40}$")
 
