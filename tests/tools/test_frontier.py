@@ -15,7 +15,13 @@ import torch.nn.functional as F
 import vlmod
 from vlmod.data import LlavaDataset, collate
 from vlmod.data.synthetic import generate
-from vlmod.data.synthetic_video import TEMPORAL_TYPES, VIDEO_QUESTION_TYPES, video_sample
+from vlmod.data.synthetic_video import (
+    FAINT_CONTRAST,
+    FAINT_SHARE,
+    TEMPORAL_TYPES,
+    VIDEO_QUESTION_TYPES,
+    video_sample,
+)
 from vlmod.evaluation.evaluate import evaluate
 from vlmod.evaluation.frontier import (
     REACH_TOLERANCE,
@@ -102,9 +108,29 @@ def test_every_clip_question_type_is_drawn_as_its_answer_says() -> None:
                 assert objects[0][qtype] == answer and objects[0]["frames"] == [0, 7]
             if qtype in ("direction", "when", "shape"):  # the named object is the only one of its colour
                 assert all(o["color"] != objects[0]["color"] for o in objects[1:])
-            if qtype == "color":  # no distractor: the model is not asked to find an object by its shape
+            if qtype in ("color", "shape"):  # no distractor: the model is not asked to find an object by a word
                 assert len(objects) == 1
     assert set(TEMPORAL_TYPES) < set(VIDEO_QUESTION_TYPES)
+
+
+def test_a_share_of_the_clips_is_faint_every_object_at_one_contrast() -> None:
+    import numpy as np
+
+    from vlmod.data.scenes import ANSWERS, paint
+
+    contrasts = []
+    for i in range(400):
+        qtype = VIDEO_QUESTION_TYPES[i % len(VIDEO_QUESTION_TYPES)]
+        _, _, meta = video_sample(np.random.default_rng([3, i]), qtype, ANSWERS[qtype][0], 32, 8)
+        assert len({o["contrast"] for o in meta["objects"]}) == 1  # one contrast a clip
+        contrasts.append(meta["objects"][0]["contrast"])
+    faint = [k for k in contrasts if k < 1.0]
+    assert abs(len(faint) / len(contrasts) - FAINT_SHARE) < 0.06
+    assert min(faint) >= FAINT_CONTRAST[0] and max(faint) <= FAINT_CONTRAST[1]
+    # a contrast scales the coverage: half contrast paints the midpoint of background and colour
+    img = np.full((32, 32, 3), 100.0, dtype=np.float32)
+    paint(img, {"shape": "square", "color": "red", "center": [16.0, 16.0], "radius": 8.0, "contrast": 0.5})
+    assert np.allclose(img[16, 16], (100 + np.asarray([220, 30, 30])) / 2)
 
 
 def test_clip_questions_need_enough_frames() -> None:

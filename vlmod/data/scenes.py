@@ -124,9 +124,11 @@ def composite(img: np.ndarray, alpha: np.ndarray, color: str) -> None:
 
 
 def paint(img: np.ndarray, obj: dict[str, Any]) -> None:
-    """Composite one object (shape, color, center, radius) onto `img` in place."""
+    """Composite one object (shape, color, center, radius; `contrast`, default 1, scales its
+    coverage: a faint object) onto `img` in place."""
     cx, cy = obj["center"]
-    composite(img, shape_alpha(obj["shape"], cx, cy, obj["radius"], img.shape[0]), obj["color"])
+    alpha = shape_alpha(obj["shape"], cx, cy, obj["radius"], img.shape[0])
+    composite(img, alpha * obj["contrast"] if "contrast" in obj else alpha, obj["color"])
 
 
 def to_uint8(img: np.ndarray) -> np.ndarray:
