@@ -68,8 +68,8 @@ from vlmod.data.scenes import (
 
 VIDEO_QUESTION_TYPES = ("direction", "first", "distinct", "when", "last", "color", "shape")
 TEMPORAL_TYPES = ("direction", "first", "distinct", "when", "last")
-FAINT_SHARE = 0.3  # of the clips, drawn faint
-FAINT_CONTRAST = (0.08, 0.5)  # a faint clip's contrast, uniform in this range
+FAINT_SHARE = 0.2  # of the clips, drawn faint
+FAINT_CONTRAST = (0.03, 0.3)  # a faint clip's contrast, uniform in this range
 
 
 def _spans(num_frames: int, parts: int) -> list[tuple[int, int]]:
