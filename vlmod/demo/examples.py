@@ -25,8 +25,8 @@ DISTRACTORS = 0
 # The clip questions the embedded model was trained on that the synthetic set still asks (it was
 # trained on `order` too, which `first` has replaced since: vlmod.data.synthetic_video; on `when`
 # clips whose distractor showed at another time, not in every frame as now; and on no faint clips:
-# on 300 of today's `when` clips it answers 64.0%, every lone full-contrast one, 62% of those with
-# the static distractor and 42% of the faint ones). The bundled clips are full contrast.
+# on 300 of today's `when` clips it answers 62.7%, every lone full-contrast one, 60% of those with
+# the static distractor and 28% of the faint ones). The bundled clips are full contrast.
 EMBEDDED_VIDEO_TYPES = ("direction", "distinct", "when", "last", "color", "shape")
 NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,40}$")
 
