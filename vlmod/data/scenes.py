@@ -127,8 +127,8 @@ def paint(img: np.ndarray, obj: dict[str, Any]) -> None:
     """Composite one object (shape, color, center, radius; `contrast`, default 1, scales its
     coverage: a faint object) onto `img` in place."""
     cx, cy = obj["center"]
-    alpha = shape_alpha(obj["shape"], cx, cy, obj["radius"], img.shape[0])
-    composite(img, alpha * obj["contrast"] if "contrast" in obj else alpha, obj["color"])
+    composite(img, shape_alpha(obj["shape"], cx, cy, obj["radius"], img.shape[0]) * obj.get("contrast", 1.0),
+              obj["color"])
 
 
 def to_uint8(img: np.ndarray) -> np.ndarray:
