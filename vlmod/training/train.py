@@ -25,6 +25,7 @@ The final model is written with `save_pretrained` (and its processor) to `output
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -84,7 +85,8 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
     run = prepare(cfg)
     position = resume_position(run)
     start_output(run)
-    steps = run_steps(run, position, progress)
+    with _sharing_tower(run):
+        steps = run_steps(run, position, progress)
     cost = step_cost(steps)
     model_dir = finish(run, steps, cost)
     spikes = loss_spikes(steps.history, warmup_steps(cfg, steps.step))
@@ -103,6 +105,14 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
         cost=cost,
         start_step=position.step,
     )
+
+
+def _sharing_tower(run: Run) -> contextlib.AbstractContextManager:
+    """The teacher's tower output from the student's where the two are the same frozen tower
+    (`Teacher.sharing_tower`); not where the weights are sharded across processes."""
+    if run.teacher is None or sharded(run.accelerator):
+        return contextlib.nullcontext()
+    return run.teacher.sharing_tower(run.accelerator.unwrap_model(run.model))
 
 
 def start_output(run: Run) -> None:
