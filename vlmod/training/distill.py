@@ -93,7 +93,7 @@ class Teacher:
         computed on the same pixels instead of computing it again, where the two towers compute
         the same function all run long (`same_frozen_tower`); yields whether they share. The
         student runs first in each step (`vlmod.training.loop`), so the teacher finds its output."""
-        pair = _towers(student), _towers(self.model)
+        pair = _tower(student), _tower(self.model)
         if pair[0] is None or pair[1] is None or not same_frozen_tower(pair[0], pair[1]):
             yield False
             return
@@ -104,7 +104,7 @@ class Teacher:
             share.close()
 
 
-def _towers(model: nn.Module) -> nn.Module | None:
+def _tower(model: nn.Module) -> nn.Module | None:
     return getattr(getattr(model, "model", None), "vision_tower", None)
 
 
