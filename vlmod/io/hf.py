@@ -109,6 +109,11 @@ def max_positions(config: Any) -> int | None:
     return int(value) if isinstance(value, int) and value > 0 else None
 
 
+def vision_tower(model: nn.Module) -> nn.Module | None:
+    """A LLaVA-family model's vision tower (`model.model.vision_tower`), None where it has none."""
+    return getattr(getattr(model, "model", None), "vision_tower", None)
+
+
 def _zero_missing_routers(model: nn.Module, missing: list[str], path: str | Path) -> None:
     """Routers the checkpoint has no weights for start at zero (what a fresh conversion has), not
     at transformers' random init, and the user is told."""

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from vlmod.data.answers import IGNORE_INDEX
+from vlmod.io.hf import vision_tower
 from vlmod.routing.layer import MoDLayer
 from vlmod.training.logits import keeps_answer_logits, logit_labels
 
@@ -93,7 +94,7 @@ class Teacher:
         computed on the same pixels instead of computing it again, where the two towers compute
         the same function all run long (`same_frozen_tower`); yields whether they share. The
         student runs first in each step (`vlmod.training.loop`), so the teacher finds its output."""
-        pair = _tower(student), _tower(self.model)
+        pair = vision_tower(student), vision_tower(self.model)
         if pair[0] is None or pair[1] is None or not same_frozen_tower(pair[0], pair[1]):
             yield False
             return
@@ -102,10 +103,6 @@ class Teacher:
             yield True
         finally:
             share.close()
-
-
-def _tower(model: nn.Module) -> nn.Module | None:
-    return getattr(getattr(model, "model", None), "vision_tower", None)
 
 
 def same_frozen_tower(student: nn.Module, teacher: nn.Module) -> bool:

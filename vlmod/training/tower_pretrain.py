@@ -109,12 +109,12 @@ def pretrain_tower(model_dir: str | Path, data_json: str | Path, out: str | Path
     from tqdm.auto import tqdm
     from transformers import AutoProcessor
 
-    from vlmod.io.hf import load_pretrained
+    from vlmod.io.hf import load_pretrained, vision_tower
 
     out = Path(out).expanduser()
     model = load_pretrained(model_dir)
     processor = AutoProcessor.from_pretrained(model_dir)
-    tower = getattr(model.model, "vision_tower", None)
+    tower = vision_tower(model)
     if tower is None:
         raise InputError(f"{model_dir} has no vision_tower to pretrain (a LLaVA-family checkpoint has one)")
     vcfg = tower.config
