@@ -46,7 +46,7 @@ class ExampleSpec:
 # trains) are not among them: it answered "two" to three objects and "middle" to top right.
 SPECS: tuple[ExampleSpec, ...] = (
     ExampleSpec("shape-star", "image", "shape", "star", 11),
-    ExampleSpec("color-red", "image", "color", "red", 20),
+    ExampleSpec("color-red", "image", "color", "red", 21),
     ExampleSpec("moving-right", "video", "direction", "right", 14),
     ExampleSpec("appears-when", "video", "when", "middle", 16),
     ExampleSpec("distinct-three", "video", "distinct", "three", 20),
