@@ -28,6 +28,7 @@ from vlmod.errors import InputError
 from vlmod.evaluation.evidence import chance_accuracy, verdict_evidence
 from vlmod.evaluation.frontier import paired_gap
 from vlmod.evaluation.latency import time_generation
+from vlmod.evaluation.tower_reuse import reusing_tower
 from vlmod.io.tables import format_table
 from vlmod.routing.trace import find_parts, trace_routing
 from vlmod.tools.cache import generate_cache
@@ -211,47 +212,48 @@ def evaluate(
     dense_parts_flops: dict[str, float] = defaultdict(float)
     failed: list[str] = []
     bar = tqdm(total=n, desc=f"eval {name}", unit="sample", disable=not progress)
-    for start in range(0, n, batch_size):
-        records, items, prompts, lost = _encode(ds, ds.records[start:min(start + batch_size, n)], strict)
-        failed += lost
-        bar.update(len(lost))
-        if not records:
-            continue
-        # The answer loss and the routing statistics: one teacher-forced pass.
-        batch = _to(ds.collate(items), device)
-        if parts:
-            with trace_routing(model) as trace:
+    with reusing_tower(model):  # the teacher-forced pass and the prefill see the same media
+        for start in range(0, n, batch_size):
+            records, items, prompts, lost = _encode(ds, ds.records[start:min(start + batch_size, n)], strict)
+            failed += lost
+            bar.update(len(lost))
+            if not records:
+                continue
+            # The answer loss and the routing statistics: one teacher-forced pass.
+            batch = _to(ds.collate(items), device)
+            if parts:
+                with trace_routing(model) as trace:
+                    out = model(**batch)
+                for key, counts in routable_counts(trace, parts).items():
+                    routed[key] = routed[key] + counts if key in routed else counts
+            else:
                 out = model(**batch)
-            for key, counts in routable_counts(trace, parts).items():
-                routed[key] = routed[key] + counts if key in routed else counts
-        else:
-            out = model(**batch)
-        losses = answer_losses(out.logits, batch["labels"]).tolist()
-        del out, batch
-        # Generation from the prompt, timed, and its prefill FLOPs. Prompts are left-padded
-        # whatever the tokenizer's padding side: right padding would put pad tokens between a
-        # prompt and its answer.
-        inputs = _to(collate([p.inputs for p in prompts], ds.pad_token_id, "left"), device)
-        timed = inputs if timed is None else timed
-        new_tokens, prefill = _generate_traced(model, inputs, max_new_tokens, generate, bool(parts))
-        rows = len(records)
-        counted, dense_counted = flops_fn(model, inputs, prefill), generation_flops(model, inputs, None)
-        flops += counted["total"] * rows
-        dense_flops += dense_counted["total"] * rows
-        for part in ("vision", "language"):
-            parts_flops[part] += counted[part] * rows
-            dense_parts_flops[part] += dense_counted[part] * rows
-        predictions = tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
-        for record, prompt, prediction, loss in zip(records, prompts, predictions, losses, strict=True):
-            meta = record.raw.get("meta") if isinstance(record.raw, dict) else None
-            qtype = meta.get("type") if isinstance(meta, dict) else None
-            prediction = prediction.strip()
-            samples.append(SampleResult(
-                id=record.id, prediction=prediction, reference=prompt.answer,
-                correct=is_correct(prediction, prompt.answer), answer_loss=loss, question_type=qtype,
-            ))
-        bar.update(rows)
-        bar.set_postfix(acc=f"{sum(s.correct for s in samples) / len(samples):.3f}")
+            losses = answer_losses(out.logits, batch["labels"]).tolist()
+            del out, batch
+            # Generation from the prompt, timed, and its prefill FLOPs. Prompts are left-padded
+            # whatever the tokenizer's padding side: right padding would put pad tokens between a
+            # prompt and its answer.
+            inputs = _to(collate([p.inputs for p in prompts], ds.pad_token_id, "left"), device)
+            timed = inputs if timed is None else timed
+            new_tokens, prefill = _generate_traced(model, inputs, max_new_tokens, generate, bool(parts))
+            rows = len(records)
+            counted, dense_counted = flops_fn(model, inputs, prefill), generation_flops(model, inputs, None)
+            flops += counted["total"] * rows
+            dense_flops += dense_counted["total"] * rows
+            for part in ("vision", "language"):
+                parts_flops[part] += counted[part] * rows
+                dense_parts_flops[part] += dense_counted[part] * rows
+            predictions = tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
+            for record, prompt, prediction, loss in zip(records, prompts, predictions, losses, strict=True):
+                meta = record.raw.get("meta") if isinstance(record.raw, dict) else None
+                qtype = meta.get("type") if isinstance(meta, dict) else None
+                prediction = prediction.strip()
+                samples.append(SampleResult(
+                    id=record.id, prediction=prediction, reference=prompt.answer,
+                    correct=is_correct(prediction, prompt.answer), answer_loss=loss, question_type=qtype,
+                ))
+            bar.update(rows)
+            bar.set_postfix(acc=f"{sum(s.correct for s in samples) / len(samples):.3f}")
     bar.close()
     if not samples:
         raise EvalError(f"no sample to evaluate in {data}")

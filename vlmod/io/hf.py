@@ -110,8 +110,15 @@ def max_positions(config: Any) -> int | None:
 
 
 def vision_tower(model: nn.Module) -> nn.Module | None:
-    """A LLaVA-family model's vision tower (`model.model.vision_tower`), None where it has none."""
-    return getattr(getattr(model, "model", None), "vision_tower", None)
+    """A LLaVA-family model's vision tower (`model.model.vision_tower`, or deeper down the `.model`
+    chain of a wrapper such as the pre-LLM reduction), None where it has none."""
+    inner: Any = model
+    while inner is not None:
+        tower = getattr(inner, "vision_tower", None)
+        if isinstance(tower, nn.Module):
+            return tower
+        inner = getattr(inner, "model", None)
+    return None
 
 
 def _zero_missing_routers(model: nn.Module, missing: list[str], path: str | Path) -> None:
