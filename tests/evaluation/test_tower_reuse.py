@@ -92,3 +92,16 @@ def test_a_routed_or_training_tower_is_left_alone() -> None:
     vlmod.apply_mod(model, vlmod.MoDConfig(capacity=0.5, layers=[0]), part="vision")
     with reusing_tower(model) as reusing:
         assert not reusing
+
+
+def test_an_instance_forward_set_before_is_put_back() -> None:
+    """Before: leaving popped the tower's instance `forward`, so one set before (accelerate's
+    hooks set one) was lost. Now it is back."""
+    model, _ = tiny.build("llava", image_size=32, patch_size=8)
+    model.eval()
+    tower = vision_tower(model)
+    own = tower.forward
+    tower.forward = own  # an instance forward, as accelerate's hooks leave
+    with reusing_tower(model) as reusing:
+        assert reusing and tower.forward != own
+    assert tower.__dict__["forward"] is own

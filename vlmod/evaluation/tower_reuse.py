@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from vlmod.io.hf import vision_tower
+from vlmod.io.hf import patch_forward, vision_tower
 from vlmod.routing.layer import MoDLayer
 
 # transformers 5 records a tower's hidden states and attentions through forward hooks of this name,
@@ -53,17 +53,12 @@ class _TowerReuse:
     """The tower's last input (a copy) and output; an instance `forward` over the one it had."""
 
     def __init__(self, tower: nn.Module):
-        self.tower = tower
-        self.own = tower.__dict__.get("forward")  # an instance forward already there (accelerate's hooks)
-        self.forward = tower.forward
+        self.tower, self.forward = tower, tower.forward
         self.kept: tuple[tuple, Tensor, Any] | None = None
-        tower.forward = self.call
+        self.restore = patch_forward(tower, self.call)
 
     def close(self) -> None:
-        if self.own is None:
-            self.tower.__dict__.pop("forward", None)
-        else:
-            self.tower.forward = self.own
+        self.restore()
         self.kept = None
 
     def hooked(self) -> bool:

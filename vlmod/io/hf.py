@@ -121,6 +121,21 @@ def vision_tower(model: nn.Module) -> nn.Module | None:
     return None
 
 
+def patch_forward(module: nn.Module, forward: Any) -> Any:
+    """Set `module.forward` to `forward` for a while; returns the call that puts back what was
+    there (an instance forward set before, such as accelerate's hooks', or the class's)."""
+    own = module.__dict__.get("forward")
+    module.forward = forward
+
+    def restore() -> None:
+        if own is None:
+            module.__dict__.pop("forward", None)
+        else:
+            module.forward = own
+
+    return restore
+
+
 def _zero_missing_routers(model: nn.Module, missing: list[str], path: str | Path) -> None:
     """Routers the checkpoint has no weights for start at zero (what a fresh conversion has), not
     at transformers' random init, and the user is told."""

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from vlmod.data.answers import IGNORE_INDEX
-from vlmod.io.hf import vision_tower
+from vlmod.io.hf import patch_forward, vision_tower
 from vlmod.routing.layer import MoDLayer
 from vlmod.training.logits import keeps_answer_logits, logit_labels
 
@@ -142,11 +142,11 @@ class _TowerShare:
         self.student, self.teacher = student, teacher
         self.student_forward, self.teacher_forward = student.forward, teacher.forward
         self.kept: tuple[tuple, Tensor, Any] | None = None
-        student.forward, teacher.forward = self.compute, self.take
+        self.restores = [patch_forward(student, self.compute), patch_forward(teacher, self.take)]
 
     def close(self) -> None:
-        for tower in (self.student, self.teacher):
-            tower.__dict__.pop("forward", None)  # the class's forward again
+        for restore in self.restores:
+            restore()
         self.kept = None
 
     @staticmethod
