@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -121,7 +122,7 @@ def vision_tower(model: nn.Module) -> nn.Module | None:
     return None
 
 
-def patch_forward(module: nn.Module, forward: Any) -> Any:
+def patch_forward(module: nn.Module, forward: Callable[..., Any]) -> Callable[[], None]:
     """Set `module.forward` to `forward` for a while; returns the call that puts back what was
     there (an instance forward set before, such as accelerate's hooks', or the class's)."""
     own = module.__dict__.get("forward")
