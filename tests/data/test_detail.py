@@ -189,3 +189,47 @@ def test_the_detail_recipe_refuses_the_shapes_sets_distractors() -> None:
     with pytest.raises(InputError, match="the fine-detail set draws its own clutter: leave it out of --task detail"):
         RecipeSettings.for_task("detail", distractors=2)
     assert RecipeSettings.for_task("detail").dense_tower is False and RecipeSettings.for_task("image").dense_tower
+
+
+def test_glyphs_over_2x2_patches_rest_on_4_tokens_and_count_small_is_refused_there(tmp_path: Path) -> None:
+    """`scale=2`: each glyph is its bitmap at twice the size in a 16 px cell aligned to 2 x 2 of the
+    8 px patches, so a glyph question rests on exactly 4 of the 144 tokens (2.8%); four markers of
+    that size would be 11%, so count_small at that scale is refused (one line naming the way out)."""
+    from vlmod.data.scenes import COLORS
+
+    with pytest.raises(InputError, match=r"glyph scale 2 .* up to 11.1% .* at least 144 px or leave count_small out"):
+        generate_detail(tmp_path / "refused", 6, 3, scale=2)
+    assert not (tmp_path / "refused").exists()
+    with pytest.raises(InputError, match="cells of 8 x scale px tile the 96 px picture, got 5"):
+        check_resolution(96, 8, 5, ("digit",))
+    out = tmp_path / "big"
+    generate_detail(out, num_train=20, num_val=10, seed=3, scale=2, question_types=("digit", "small_color"))
+    assert json.loads((out / "meta.json").read_text())["glyph_scale"] == 2
+    for r in _records(out, "train") + _records(out, "val"):
+        m = r["meta"]
+        assert m["type"] in ("digit", "small_color") and m["cell_size"] == 16 and m["patch_size"] == 8
+        assert len(m["answer_patches"]) == 4 and answer_share(m, 96, 8) == 4 / 144
+        img = np.asarray(Image.open(out / r["image"]), dtype=np.int16)
+        for g in m["glyphs"]:
+            x0, y0, x1, y1 = g["box"]
+            assert (x1 - x0, y1 - y0) == (10, 14) and x0 // 16 == (x1 - 1) // 16 and y0 // 16 == (y1 - 1) // 16
+            drawn = (img[y0:y1, x0:x1] == np.array(COLORS[g["color"]])).all(axis=-1)
+            assert np.array_equal(drawn, glyph_mask(g["digit"], 2))
+
+
+def test_the_recipe_takes_the_glyph_scale_and_types_for_the_detail_task_only(tmp_path: Path,
+                                                                               capsys: pytest.CaptureFixture) -> None:
+    from vlmod.cli import main
+    from vlmod.recipes.settings import RecipeSettings
+
+    s = RecipeSettings.for_task("detail", glyph_scale=2, types=("digit", "small_color"))
+    assert (s.glyph_scale, s.types) == (2, ("digit", "small_color"))
+    with pytest.raises(InputError, match="--types takes distinct fine-detail question types out of"):
+        RecipeSettings.for_task("detail", types=("digit", "colour"))
+    for task in ("image", "video"):
+        with pytest.raises(InputError, match=f"give them with --task detail, not --task {task}"):
+            RecipeSettings.for_task(task, glyph_scale=2)
+    assert main(["recipe", "--task", "detail", "--quick", "--glyph-scale", "2", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: at image 96 px, patch 8 px, glyph scale 2 the fine-detail answers cover up to 11.1%")
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "run").exists()

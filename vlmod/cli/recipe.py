@@ -11,6 +11,7 @@ from typing import Any
 
 from vlmod.cli.argtypes import finite_float, int_at_least, non_negative_float, positive_int, threads
 from vlmod.cli.common import EXIT_INTERRUPTED, SubParsers
+from vlmod.data.detail import DETAIL_TYPES
 from vlmod.errors import InputError
 from vlmod.recipes.settings import DEFAULT_STACK_SHARE, ISOFLOP_DENSE_STEPS, TASKS, RecipeSettings
 
@@ -55,6 +56,7 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("image_size", positive_int, "image / frame side in pixels (vision tokens: (side / patch)^2 an image, a "
                                  "quarter of that a frame)"),
     ("patch_size", positive_int, "vision tower patch side in pixels"),
+    ("glyph_scale", positive_int, "detail task: glyphs and markers drawn over N x N patches (N times the size)"),
     ("schedule", str, "per-layer capacity schedule: none or cosine"),
     ("seed", int, "seed of data, init, training and evaluation"),
 )
@@ -98,6 +100,11 @@ def seed_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"gives seed {', '.join(map(str, twice))} more than once in {text!r}: "
                                          "give each seed once")
     return seeds
+
+
+def question_types(text: str) -> tuple[str, ...]:
+    """A comma list of question types, as given (the settings check them against the task's)."""
+    return tuple(t.strip() for t in text.split(",") if t.strip())
 
 
 def stack_shares(given: list[tuple[float | None, float]], task_default: RecipeSettings,
@@ -169,6 +176,9 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                              "trains where it runs (default: image "
                              f"{_shares(image.stack_train_share)}, video {_shares(vid.stack_train_share, named_only=True)}; "
                              "with --stack-share given: as --stack-share)")
+    parser.add_argument("--types", type=question_types, default=None, metavar="TYPE,TYPE,...",
+                        help="detail task: its question types, a comma list out of "
+                             f"{','.join(DETAIL_TYPES)} (default: every one)")
     parser.add_argument("--routers", nargs="*", default=None,
                         help=f"baselines at every point (default: {' '.join(image.routers)})")
     parser.add_argument("--image-model", default=None, metavar="DIR",
@@ -226,6 +236,8 @@ def run_recipe_command(args: argparse.Namespace) -> int:
         raise InputError(f"--schedule must be none or cosine, got {overrides['schedule']!r}")
     if args.targets is not None:
         overrides["targets"] = tuple(args.targets)
+    if args.types is not None:
+        overrides["types"] = args.types
     if args.routers is not None:
         bad = [r for r in args.routers if r not in ROUTERS or r in ("learned", "inverted")]
         if bad:

@@ -18,8 +18,9 @@ small_color    what color is the {digit} ?                 red green blue yellow
 The question names its item uniquely (the only digit of that colour, the only glyph of that
 digit, the only small things of that colour), so the other digits and markers are clutter as
 salient as the answer: a ranking that does not read the question keeps them as readily. Each
-glyph or marker lies inside one patch cell (the picture's grid of `patch_size` cells) that no
-large shape touches, and no two touch, so the answer's patches are known from the drawing:
+glyph or marker lies inside one cell (the picture's grid of `patch_size` cells, or of scale x scale
+patches with `scale`, which draws them that many times larger) that no large shape touches, and no
+two touch, so the answer's patches are known from the drawing:
 every record's `meta` carries `answer_boxes` (pixel boxes) and `answer_patches` (row-major patch
 indices at the set's patch size); `answer_share` gives their share of the vision tokens at any
 resolution. Digits are drawn from a hand-made 5 x 7 bitmap font (scaled by patch_size // 8), so
@@ -87,19 +88,28 @@ def glyph_mask(digit: int, scale: int = 1) -> np.ndarray:
     return rows.repeat(scale, axis=0).repeat(scale, axis=1)
 
 
-def check_resolution(image_size: int, patch_size: int) -> None:
+def check_resolution(image_size: int, patch_size: int, scale: int = 1,
+                     question_types: Sequence[str] = DETAIL_TYPES) -> None:
     """InputError (one line) unless every question's answer fits MAX_ANSWER_SHARE of the vision
-    tokens: at most MAX_ITEMS patches of (image_size / patch_size)^2."""
+    tokens: a glyph covers scale x scale patches, and count_small's answer up to MAX_ITEMS markers
+    of that size, of the (image_size / patch_size)^2."""
     if patch_size < MIN_PATCH or image_size % patch_size:
         raise InputError(f"the fine-detail set needs a patch size >= {MIN_PATCH} px dividing the image size, got "
                          f"image {image_size} px, patch {patch_size} px: give e.g. --image-size "
                          f"{DEFAULT_IMAGE_SIZE} --patch-size {DEFAULT_PATCH_SIZE}")
+    if scale < 1 or image_size % (patch_size * scale):
+        raise InputError(f"the glyph scale is a whole number >= 1 whose cells of {patch_size} x scale px tile the "
+                         f"{image_size} px picture, got {scale}: give e.g. --glyph-scale 1 or 2")
     grid = image_size // patch_size
-    if MAX_ITEMS / grid**2 > MAX_ANSWER_SHARE:
-        need = int(np.ceil(np.sqrt(MAX_ITEMS / MAX_ANSWER_SHARE))) * patch_size
-        raise InputError(f"at image {image_size} px, patch {patch_size} px the fine-detail answers cover up to "
-                         f"{100 * MAX_ITEMS / grid**2:.1f}% of the {grid**2} vision tokens, over "
-                         f"{100 * MAX_ANSWER_SHARE:g}%: give an image size of at least {need} px")
+    patches = (MAX_ITEMS if "count_small" in question_types else 1) * scale**2
+    if patches / grid**2 > MAX_ANSWER_SHARE:
+        step = patch_size * scale
+        need = int(np.ceil(np.sqrt(patches / MAX_ANSWER_SHARE) * patch_size / step)) * step
+        hint = " or leave count_small out of the question types" if scale > 1 and "count_small" in question_types else ""
+        at_scale = f", glyph scale {scale}" if scale > 1 else ""
+        raise InputError(f"at image {image_size} px, patch {patch_size} px{at_scale} the fine-detail answers "
+                         f"cover up to {100 * patches / grid**2:.1f}% of the {grid**2} vision tokens, over "
+                         f"{100 * MAX_ANSWER_SHARE:g}%: give an image size of at least {need} px{hint}")
 
 
 def box_patches(box: Sequence[float], image_size: int, patch_size: int) -> list[int]:
@@ -202,14 +212,16 @@ def _draw_item(rng: np.random.Generator, img: np.ndarray, item: dict[str, Any], 
 
 
 def detail_sample(rng: np.random.Generator, qtype: str, answer: str, size: int = DEFAULT_IMAGE_SIZE,
-                  patch: int = DEFAULT_PATCH_SIZE, curriculum: bool = False) -> tuple[np.ndarray, str, dict[str, Any]]:
+                  patch: int = DEFAULT_PATCH_SIZE, curriculum: bool = False,
+                  scale: int = 1) -> tuple[np.ndarray, str, dict[str, Any]]:
     """(image uint8 [size, size, 3], question, meta) of one fine-detail question whose answer is
-    `answer`; `curriculum`: the clutter drawn from the training split's wider ranges (none to most)."""
+    `answer`; `curriculum`: the clutter drawn from the training split's wider ranges (none to most);
+    `scale`: every glyph and marker drawn `scale` times larger in a cell of scale x scale patches."""
     if qtype not in DETAIL_TYPES:
         raise ValueError(f"unknown fine-detail question type {qtype!r}; types: {', '.join(DETAIL_TYPES)}")
     if answer not in DETAIL_ANSWERS[qtype]:
         raise ValueError(f"{answer!r} is not an answer of {qtype!r} questions: {DETAIL_ANSWERS[qtype]}")
-    colors = list(COLORS)
+    colors, cell = list(COLORS), patch * scale
     ranges = (CURRICULUM_GLYPHS, CURRICULUM_MARKERS) if curriculum else (CLUTTER_GLYPHS, CLUTTER_MARKERS)
     targets, clutter, question = _plan_items(rng, qtype, answer, *ranges)
     while True:  # a scene whose large shapes leave no room for the answer is drawn again (same seed, same draws)
@@ -220,24 +232,24 @@ def detail_sample(rng: np.random.Generator, qtype: str, answer: str, size: int =
             large.append({"shape": SHAPES[int(rng.integers(len(SHAPES)))], "color": colors[int(rng.integers(len(colors)))],
                           "center": [round(cx, 3), round(cy, 3)], "radius": round(r, 3)})
         alphas = [shape_alpha(o["shape"], *o["center"], o["radius"], size) for o in large]
-        cells = _pick_cells(rng, _free_cells(alphas, size, patch), [len(targets), len(clutter)])
+        cells = _pick_cells(rng, _free_cells(alphas, size, cell), [len(targets), len(clutter)])
         if cells is not None:
             break
     img = background(rng, size)
     for o, alpha in zip(large, alphas, strict=True):  # as `scenes.paint`, on the coverage computed once
         composite(img, alpha, o["color"])
-    drawn = [_draw_item(rng, img, item, cell, patch) for item, cell in zip(targets + clutter, cells, strict=False)]
+    drawn = [_draw_item(rng, img, item, at, cell) for item, at in zip(targets + clutter, cells, strict=False)]
     boxes = [d["box"] for d in drawn[:len(targets)]]
     meta = {"type": qtype, "objects": large + [d for d in drawn if "shape" in d],
             "glyphs": [d for d in drawn if "digit" in d], "answer_boxes": boxes, "patch_size": patch,
-            "answer_patches": sorted({p for b in boxes for p in box_patches(b, size, patch)})}
+            "cell_size": cell, "answer_patches": sorted({p for b in boxes for p in box_patches(b, size, patch)})}
     return to_uint8(img), question, meta
 
 
 def caption(meta: dict[str, Any]) -> str:
     """Every glyph and marker of a picture in reading order ("red three , small blue , green seven"):
     the large shapes are left to the tower's labels."""
-    size = meta["patch_size"]
+    size = meta.get("cell_size", meta["patch_size"])
     items = [(g["box"], f"{g['color']} {DIGITS[g['digit']]}") for g in meta["glyphs"]]
     items += [(o["box"], f"small {o['color']}") for o in meta["objects"] if o.get("small")]
     return " , ".join(words for box, words in sorted(items, key=lambda it: (it[0][1] // size, it[0][0] // size)))
@@ -246,12 +258,13 @@ def caption(meta: dict[str, Any]) -> str:
 def generate_detail(out_dir: str | Path, num_train: int, num_val: int, image_size: int = DEFAULT_IMAGE_SIZE,
                     patch_size: int = DEFAULT_PATCH_SIZE, seed: int = 0,
                     question_types: Sequence[str] = DETAIL_TYPES, curriculum: bool = True, captions: bool = False,
-                    progress: bool = False) -> Any:
+                    scale: int = 1, progress: bool = False) -> Any:
     """Write the fine-detail set to `out_dir` (the module doc) and say what was written
     (`synthetic.SyntheticSummary`). `curriculum`: the training pictures' clutter from none to the
     validation set's most (CURRICULUM_GLYPHS); `captions`: a caption record (`caption`) beside each
-    training question. Refuses a resolution whose answers could exceed MAX_ANSWER_SHARE of the
-    vision tokens (`check_resolution`). Same arguments, same bytes."""
+    training question; `scale`: glyphs and markers drawn over scale x scale patches (`detail_sample`).
+    Refuses a resolution whose answers could exceed MAX_ANSWER_SHARE of the vision tokens
+    (`check_resolution`). Same arguments, same bytes."""
     from tqdm.auto import tqdm
 
     from vlmod.data.synthetic import (
@@ -266,11 +279,11 @@ def generate_detail(out_dir: str | Path, num_train: int, num_val: int, image_siz
         _write_records,
     )
 
-    check_resolution(image_size, patch_size)
     for name, value in (("num_train", num_train), ("num_val", num_val)):
         if value < 0:
             raise ValueError(f"{name} must be >= 0, got {value}")
     qtypes = _check_types(question_types, DETAIL_TYPES, "fine-detail")
+    check_resolution(image_size, patch_size, scale, qtypes)
     out = Path(out_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     summary, splits = SyntheticSummary(out_dir=out), {}
@@ -282,7 +295,8 @@ def generate_detail(out_dir: str | Path, num_train: int, num_val: int, image_siz
             records, names = [], set()
             for i, (qtype, answer) in enumerate(plan):
                 img, question, meta = detail_sample(np.random.default_rng([seed, code, 2, i]), qtype, answer,
-                                                    image_size, patch_size, curriculum=curriculum and split == "train")
+                                                    image_size, patch_size, curriculum=curriculum and split == "train",
+                                                    scale=scale)
                 name = f"{i:06d}.png"
                 _write_png(folder / name, img)
                 names.add(name)
@@ -299,7 +313,7 @@ def generate_detail(out_dir: str | Path, num_train: int, num_val: int, image_siz
             splits[split] = {"file": path.name, "records": len(records), "answer_counts": counts}
     _write_json(out / "meta.json", {
         "generator": "vlmod.data.detail", "seed": seed, "image_size": image_size, "patch_size": patch_size,
-        "max_answer_share": MAX_ANSWER_SHARE,
+        "glyph_scale": scale, "max_answer_share": MAX_ANSWER_SHARE,
         "curriculum": curriculum, "captions": captions, "question_types": list(qtypes), "questions": DETAIL_QUESTIONS,
         "answers": {k: list(v) for k, v in DETAIL_ANSWERS.items()}, "splits": splits,
     })

@@ -14,7 +14,7 @@ import torch
 
 from vlmod.data.detail import DEFAULT_IMAGE_SIZE as DETAIL_IMAGE_SIZE
 from vlmod.data.detail import DEFAULT_PATCH_SIZE as DETAIL_PATCH_SIZE
-from vlmod.data.detail import check_resolution
+from vlmod.data.detail import DETAIL_TYPES, check_resolution
 from vlmod.data.scenes import MAX_DISTRACTORS
 from vlmod.errors import InputError
 from vlmod.tools.reduction import SCORINGS
@@ -51,6 +51,10 @@ class RecipeSettings:
     # 91.9 -> 74.2% at stage 3 (docs/results-history.md, "Image scenes with distractors do not teach it").
     distractors: int = 0
     captions: bool = False
+    # The fine-detail set's glyphs and markers, drawn over glyph_scale x glyph_scale patches, and its
+    # question types (`vlmod.data.detail`; None: every type).
+    glyph_scale: int = 1
+    types: tuple[str, ...] | None = None
     width: int = 128
     layers: int = 8
     heads: int = 8
@@ -215,10 +219,19 @@ class RecipeSettings:
             raise InputError(f"distractors is the number of extra shapes in an image scene, 0 to {MAX_DISTRACTORS}, got "
                              f"{self.distractors}")
         if self.task == "detail":  # answers within 5% of the vision tokens, else refused before any stage
-            check_resolution(self.image_size, self.patch_size)
+            if self.types is not None:
+                bad = [t for t in self.types if t not in DETAIL_TYPES]
+                if bad or not self.types or len(set(self.types)) != len(self.types):
+                    raise InputError(f"--types takes distinct fine-detail question types out of "
+                                     f"{','.join(DETAIL_TYPES)}, got {','.join(self.types) or '(none)'}")
+                self.types = tuple(self.types)
+            check_resolution(self.image_size, self.patch_size, self.glyph_scale, self.types or DETAIL_TYPES)
             if self.distractors:  # its pictures have their own clutter (`vlmod.data.detail`)
                 raise InputError(f"--distractors is the shapes set's extra shapes; the fine-detail set draws its own "
                                  f"clutter: leave it out of --task detail (got {self.distractors})")
+        elif self.glyph_scale != 1 or self.types is not None:
+            raise InputError(f"--glyph-scale and --types shape the fine-detail set: give them with --task detail, not "
+                             f"--task {self.task}")
         if self.task == "video" and self.frames < 2:  # else the data stage's ValueError, as a traceback
             raise InputError(f"frames is the frames of a clip, >= 2 for the video task's moving objects, got "
                              f"{self.frames}")
