@@ -172,7 +172,7 @@ def test_the_quick_recipes_reach_5x_and_8x_or_say_they_cannot(image_run: tuple, 
 def test_the_quick_detail_recipe_runs_every_method_at_every_point(tmp_path: Path) -> None:
     """`vlmod recipe --task detail --quick`: the image task's stages on the fine-detail set (96 px,
     8 px patches: 144 vision tokens an image), every method at every point or out of reach, the
-    tower pretrained on each patch's digit too, the three detail types scored."""
+    tower pretrained on each patch's digit too, the recipe's detail types scored."""
     from vlmod.cli import main
     from vlmod.data.detail import DETAIL_TYPES, MAX_ANSWER_SHARE, answer_share
 
@@ -185,9 +185,12 @@ def test_the_quick_detail_recipe_runs_every_method_at_every_point(tmp_path: Path
         missing = {u["method"] for u in saved["out_of_reach"] if u["target"] == target}
         assert evaluated | missing >= METHODS["image"]
     dense = next(r for r in rows if r["method"] == "dense")
-    assert set(dense["accuracy_by_type"]) == set(DETAIL_TYPES)
+    assert set(dense["accuracy_by_type"]) == set(saved["settings"]["types"]) < set(DETAIL_TYPES)
     records = json.loads((out / "data" / "val.json").read_text())
     assert all(answer_share(r["meta"], 96, 8) <= MAX_ANSWER_SHARE for r in records)
+    # The recipe's set: each glyph over 2 x 2 patches (4 tokens), the question before the picture.
+    assert all(len(r["meta"]["answer_patches"]) == 4 for r in records)
+    assert all(r["conversations"][0]["value"].endswith("\n<image>") for r in records)
     assert "val_patch_digit_accuracy" in json.loads((out / "tower" / "log.json").read_text())
     assert json.loads((out / "init" / "config.json").read_text())["vision_config"]["image_size"] == 96
     # The dense stage leaves the pretrained tower as it was (trained on, it forgot the glyphs).

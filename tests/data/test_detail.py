@@ -119,7 +119,9 @@ def test_a_resolution_whose_answers_exceed_5_percent_is_refused_in_one_line(tmp_
     check_resolution(72, 8)
     assert main(["recipe", "--task", "detail", "--quick", "--image-size", "64", "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: at image 64 px, patch 8 px the fine-detail answers cover up to 6.2%")
+    # The recipe's set (a glyph over 2 x 2 patches): 4 of 64 tokens, 6.2% too; its cells are 16 px.
+    assert err.startswith("error: at image 64 px, patch 8 px, glyph scale 2 the fine-detail answers cover up to 6.2% of "
+                          "the 64 vision tokens, over 5%: give an image size of at least 80 px")
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
 
 
@@ -229,7 +231,26 @@ def test_the_recipe_takes_the_glyph_scale_and_types_for_the_detail_task_only(tmp
     for task in ("image", "video"):
         with pytest.raises(InputError, match=f"give them with --task detail, not --task {task}"):
             RecipeSettings.for_task(task, glyph_scale=2)
-    assert main(["recipe", "--task", "detail", "--quick", "--glyph-scale", "2", "--out", str(tmp_path / "run")]) == 2
+        with pytest.raises(InputError, match=f"give them with --task detail, not --task {task}"):
+            RecipeSettings.for_task(task, question_first=True)
+    detail = RecipeSettings.for_task("detail")  # the recipe's set: glyphs over 2 x 2 patches, the question first
+    assert (detail.glyph_scale, detail.types, detail.question_first) == (2, ("digit", "small_color"), True)
+    assert main(["recipe", "--task", "detail", "--quick", "--types", "digit,count_small", "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: at image 96 px, patch 8 px, glyph scale 2 the fine-detail answers cover up to 11.1%")
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
+def test_question_first_puts_the_question_before_the_picture(detail_set: Path, tmp_path: Path) -> None:
+    """The same pictures and questions; only each prompt's order changes, so every vision token can
+    attend to the words naming what to find."""
+    generate_detail(tmp_path / "first", num_train=60, num_val=30, seed=3, question_first=True)
+    for split in ("train", "val"):
+        after, first = _records(detail_set, split), _records(tmp_path / "first", split)
+        for a, f in zip(after, first, strict=True):
+            question = a["conversations"][0]["value"].removeprefix("<image>\n")
+            assert f["conversations"][0]["value"] == f"{question}\n<image>" and question != a["conversations"][0]["value"]
+            assert f["conversations"][1:] == a["conversations"][1:] and f["meta"] == a["meta"]
+    assert json.loads((tmp_path / "first" / "meta.json").read_text())["question_first"] is True
+    for rel in ("images/train/000007.png", "images/val/000003.png"):
+        assert (tmp_path / "first" / rel).read_bytes() == (detail_set / rel).read_bytes()

@@ -178,7 +178,10 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                              "with --stack-share given: as --stack-share)")
     parser.add_argument("--types", type=question_types, default=None, metavar="TYPE,TYPE,...",
                         help="detail task: its question types, a comma list out of "
-                             f"{','.join(DETAIL_TYPES)} (default: every one)")
+                             f"{','.join(DETAIL_TYPES)} (default: {','.join(detail.types or DETAIL_TYPES)})")
+    parser.add_argument("--question-first", action=argparse.BooleanOptionalAction, default=None,
+                        help="detail task: each prompt puts the question before the picture (default: "
+                             f"{'on' if detail.question_first else 'off'})")
     parser.add_argument("--routers", nargs="*", default=None,
                         help=f"baselines at every point (default: {' '.join(image.routers)})")
     parser.add_argument("--image-model", default=None, metavar="DIR",
@@ -245,7 +248,7 @@ def run_recipe_command(args: argparse.Namespace) -> int:
         overrides["routers"] = tuple(args.routers)
     if args.threads is not None:
         overrides["threads"] = args.threads
-    for flag in ("captions", "stacked", "dense_tower"):
+    for flag in ("captions", "stacked", "dense_tower", "question_first"):
         if getattr(args, flag) is not None:
             overrides[flag] = getattr(args, flag)
     if args.no_distill:

@@ -258,11 +258,13 @@ def caption(meta: dict[str, Any]) -> str:
 def generate_detail(out_dir: str | Path, num_train: int, num_val: int, image_size: int = DEFAULT_IMAGE_SIZE,
                     patch_size: int = DEFAULT_PATCH_SIZE, seed: int = 0,
                     question_types: Sequence[str] = DETAIL_TYPES, curriculum: bool = True, captions: bool = False,
-                    scale: int = 1, progress: bool = False) -> Any:
+                    scale: int = 1, question_first: bool = False, progress: bool = False) -> Any:
     """Write the fine-detail set to `out_dir` (the module doc) and say what was written
     (`synthetic.SyntheticSummary`). `curriculum`: the training pictures' clutter from none to the
     validation set's most (CURRICULUM_GLYPHS); `captions`: a caption record (`caption`) beside each
-    training question; `scale`: glyphs and markers drawn over scale x scale patches (`detail_sample`).
+    training question; `scale`: glyphs and markers drawn over scale x scale patches (`detail_sample`);
+    `question_first`: each prompt is "{question}\n<image>", so every vision token can attend to the
+    words that name what to find.
     Refuses a resolution whose answers could exceed MAX_ANSWER_SHARE of the vision tokens
     (`check_resolution`). Same arguments, same bytes."""
     from tqdm.auto import tqdm
@@ -301,7 +303,8 @@ def generate_detail(out_dir: str | Path, num_train: int, num_val: int, image_siz
                 _write_png(folder / name, img)
                 names.add(name)
                 records.append({"id": f"detail-{split}-{i:06d}", "image": f"images/{split}/{name}", "conversations": [
-                    {"from": "human", "value": f"<image>\n{question}"}, {"from": "gpt", "value": answer}], "meta": meta})
+                    {"from": "human", "value": f"{question}\n<image>" if question_first else f"<image>\n{question}"},
+                    {"from": "gpt", "value": answer}], "meta": meta})
                 bar.update(1)
             _remove_stale(folder, names)
             counts = _answer_counts(records, qtypes, DETAIL_ANSWERS)
@@ -313,7 +316,7 @@ def generate_detail(out_dir: str | Path, num_train: int, num_val: int, image_siz
             splits[split] = {"file": path.name, "records": len(records), "answer_counts": counts}
     _write_json(out / "meta.json", {
         "generator": "vlmod.data.detail", "seed": seed, "image_size": image_size, "patch_size": patch_size,
-        "glyph_scale": scale, "max_answer_share": MAX_ANSWER_SHARE,
+        "glyph_scale": scale, "question_first": question_first, "max_answer_share": MAX_ANSWER_SHARE,
         "curriculum": curriculum, "captions": captions, "question_types": list(qtypes), "questions": DETAIL_QUESTIONS,
         "answers": {k: list(v) for k, v in DETAIL_ANSWERS.items()}, "splits": splits,
     })
