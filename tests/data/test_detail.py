@@ -254,3 +254,18 @@ def test_question_first_puts_the_question_before_the_picture(detail_set: Path, t
     assert json.loads((tmp_path / "first" / "meta.json").read_text())["question_first"] is True
     for rel in ("images/train/000007.png", "images/val/000003.png"):
         assert (tmp_path / "first" / rel).read_bytes() == (detail_set / rel).read_bytes()
+
+
+def test_reuse_dense_refuses_a_dense_model_of_another_detail_set() -> None:
+    """The glyph scale, the types and the prompt order change the data the dense model learned, so
+    `--reuse-dense` must not keep a model trained on another of them (a record without the keys,
+    from before them, counts as their defaults: one patch, every type, the question after)."""
+    from dataclasses import asdict
+
+    from vlmod.recipes.reuse import DENSE_SETTINGS, changed_settings
+    from vlmod.recipes.settings import RecipeSettings
+
+    now = RecipeSettings.for_task("detail")
+    assert changed_settings(asdict(now), now, DENSE_SETTINGS) == []
+    old = {k: v for k, v in asdict(now).items() if k not in ("glyph_scale", "types", "question_first")}
+    assert changed_settings(old, now, DENSE_SETTINGS) == ["glyph_scale", "types", "question_first"]

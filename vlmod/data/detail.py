@@ -263,9 +263,8 @@ def generate_detail(out_dir: str | Path, num_train: int, num_val: int, image_siz
     (`synthetic.SyntheticSummary`). `curriculum`: the training pictures' clutter from none to the
     validation set's most (CURRICULUM_GLYPHS); `captions`: a caption record (`caption`) beside each
     training question; `scale`: glyphs and markers drawn over scale x scale patches (`detail_sample`);
-    `question_first`: each prompt is "{question}\n<image>", so every vision token can attend to the
-    words that name what to find.
-    Refuses a resolution whose answers could exceed MAX_ANSWER_SHARE of the vision tokens
+    `question_first`: each prompt puts the question before the picture, so every vision token can
+    attend to the words that name what to find. Refuses a resolution whose answers could exceed MAX_ANSWER_SHARE of the vision tokens
     (`check_resolution`). Same arguments, same bytes."""
     from tqdm.auto import tqdm
 
