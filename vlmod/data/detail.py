@@ -264,8 +264,8 @@ def generate_detail(out_dir: str | Path, num_train: int, num_val: int, image_siz
     validation set's most (CURRICULUM_GLYPHS); `captions`: a caption record (`caption`) beside each
     training question; `scale`: glyphs and markers drawn over scale x scale patches (`detail_sample`);
     `question_first`: each prompt puts the question before the picture, so every vision token can
-    attend to the words that name what to find. Refuses a resolution whose answers could exceed MAX_ANSWER_SHARE of the vision tokens
-    (`check_resolution`). Same arguments, same bytes."""
+    attend to the words that name what to find. Refuses a resolution whose answers could exceed
+    MAX_ANSWER_SHARE of the vision tokens (`check_resolution`). Same arguments, same bytes."""
     from tqdm.auto import tqdm
 
     from vlmod.data.synthetic import (
@@ -273,17 +273,17 @@ def generate_detail(out_dir: str | Path, num_train: int, num_val: int, image_siz
         _answer_counts,
         _balanced_plan,
         _caption_records,
-        _check_types,
         _remove_stale,
         _write_json,
         _write_png,
         _write_records,
+        check_types,
     )
 
     for name, value in (("num_train", num_train), ("num_val", num_val)):
         if value < 0:
             raise ValueError(f"{name} must be >= 0, got {value}")
-    qtypes = _check_types(question_types, DETAIL_TYPES, "fine-detail")
+    qtypes = check_types(question_types, DETAIL_TYPES, "fine-detail")
     check_resolution(image_size, patch_size, scale, qtypes)
     out = Path(out_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)

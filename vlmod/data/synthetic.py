@@ -78,6 +78,7 @@ from vlmod.data.scenes import (
     to_uint8,
 )
 from vlmod.data.synthetic_video import TEMPORAL_TYPES, VIDEO_QUESTION_TYPES, video_sample
+from vlmod.errors import InputError
 
 VIDEO_FPS = 4
 _SPLIT_CODES = {"train": 0, "val": 1}
@@ -309,11 +310,14 @@ def _answer_counts(records: list[dict[str, Any]], qtypes: Sequence[str],
     return {t: {a: counts[t][a] for a in vocab[t]} for t in qtypes}
 
 
-def _check_types(types: Sequence[str], valid: Sequence[str], what: str) -> tuple[str, ...]:
+def check_types(types: Sequence[str], valid: Sequence[str], what: str, flag: str = "--types") -> tuple[str, ...]:
+    """The question types asked for, as a tuple; InputError (one line, naming `flag`) unless they are
+    distinct names out of `valid`."""
     types = tuple(types)
     bad = [t for t in types if t not in valid]
     if bad or not types or len(set(types)) != len(types):
-        raise ValueError(f"{what} question types must be distinct names out of {', '.join(valid)}, got {types}")
+        raise InputError(f"{flag} takes distinct {what} question types out of {','.join(valid)}, got "
+                         f"{','.join(types) or '(none)'}")
     return types
 
 
@@ -349,8 +353,8 @@ def generate(
         raise ValueError(f"image_size must be >= {MIN_IMAGE_SIZE} px (a {GRID}x{GRID} grid of shapes), got {image_size}")
     if not 0 <= distractors <= MAX_DISTRACTORS:
         raise ValueError(f"distractors must be in [0, {MAX_DISTRACTORS}], got {distractors}")
-    qtypes = _check_types(question_types, IMAGE_QUESTION_TYPES, "image")
-    vtypes = _check_types(video_question_types, VIDEO_QUESTION_TYPES, "video")
+    qtypes = check_types(question_types, IMAGE_QUESTION_TYPES, "image")
+    vtypes = check_types(video_question_types, VIDEO_QUESTION_TYPES, "video", flag="video_question_types")
     if video:
         if num_videos < 0:
             raise ValueError(f"num_videos must be >= 0, got {num_videos}")

@@ -44,7 +44,7 @@ from transformers import AutoProcessor
 
 from vlmod.bench.timing import keeps_threads
 from vlmod.data import LlavaDataset, load_records
-from vlmod.data.detail import DETAIL_TYPES, generate_detail
+from vlmod.data.detail import generate_detail
 from vlmod.data.synthetic import generate
 from vlmod.data.synthetic_video import TEMPORAL_TYPES
 from vlmod.errors import InputError
@@ -184,7 +184,7 @@ class _Recipe(PointEvaluations):
                      num_val_videos=s.num_val, num_frames=s.frames, progress=self.progress)
         elif s.task == "detail":  # the fine-detail set: the image task's stages on small glyphs and markers
             generate_detail(self.data, s.num_train, s.num_val, image_size=s.image_size, patch_size=s.patch_size,
-                            seed=s.seed, captions=s.captions, scale=s.glyph_scale, question_types=s.types or DETAIL_TYPES,
+                            seed=s.seed, captions=s.captions, scale=s.glyph_scale, question_types=s.types,
                             question_first=s.question_first, progress=self.progress)
         else:
             generate(self.data, s.num_train, s.num_val, image_size=s.image_size, distractors=s.distractors, seed=s.seed,

@@ -16,6 +16,7 @@ from vlmod.data.detail import DEFAULT_IMAGE_SIZE as DETAIL_IMAGE_SIZE
 from vlmod.data.detail import DEFAULT_PATCH_SIZE as DETAIL_PATCH_SIZE
 from vlmod.data.detail import DETAIL_TYPES, check_resolution
 from vlmod.data.scenes import MAX_DISTRACTORS
+from vlmod.data.synthetic import check_types
 from vlmod.errors import InputError
 from vlmod.tools.reduction import SCORINGS
 
@@ -52,7 +53,7 @@ class RecipeSettings:
     distractors: int = 0
     captions: bool = False
     # The fine-detail set's glyphs and markers, drawn over glyph_scale x glyph_scale patches, and its
-    # question types (`vlmod.data.detail`; None: every type).
+    # question types (`vlmod.data.detail`; None: every type; other tasks leave both as they are).
     glyph_scale: int = 1
     types: tuple[str, ...] | None = None
     question_first: bool = False  # the fine-detail prompts put the question before the picture
@@ -156,14 +157,14 @@ class RecipeSettings:
         if task == "detail":
             # 144 vision tokens an image (2.2x the shapes set's 64): the shapes recipe's steps would take
             # over two hours. A tower of 600 steps reads the glyphs (digit 99.1%, held-out pictures); the
-            # data, tower and dense stages at these settings took 38 min on 2 cores (seed 0, docs/data.md),
-            # the whole recipe is not timed yet (its dense model does not learn the set yet).
+            # data, tower and dense stages at these settings took 38 min on 2 cores (seed 0, docs/data.md).
             base.update(num_train=8000, num_val=1200, tower_steps=600, dense_steps=1500, mod_steps=1000, stack_steps=1000)
             # Glyphs over 2 x 2 patches (4 of 144 tokens, 2.8%), the two glyph types, the question first: at one
             # patch the dense model stayed at 22% (chance 15.6%); over 2 x 2 with the question after the picture
             # 68.0%, first 82.7% (the first 300 questions; seed 0, docs/data.md). At that size a tower of
             # 600 steps read a quarter glyph's digit at 31.9%, of 2,000 at 90.0%; count_small's four
-            # markers would cover 11% of the tokens.
+            # markers would cover 11% of the tokens. The whole recipe with the question after: 81.9 min
+            # on one thread (docs/results.md).
             base.update(glyph_scale=2, types=("digit", "small_color"), question_first=True, tower_steps=2000)
         if isoflop:
             # The check as docs/results.md reports it: MoD and dense from the same random tower.
@@ -226,13 +227,8 @@ class RecipeSettings:
             raise InputError(f"distractors is the number of extra shapes in an image scene, 0 to {MAX_DISTRACTORS}, got "
                              f"{self.distractors}")
         if self.task == "detail":  # answers within 5% of the vision tokens, else refused before any stage
-            if self.types is not None:
-                bad = [t for t in self.types if t not in DETAIL_TYPES]
-                if bad or not self.types or len(set(self.types)) != len(self.types):
-                    raise InputError(f"--types takes distinct fine-detail question types out of "
-                                     f"{','.join(DETAIL_TYPES)}, got {','.join(self.types) or '(none)'}")
-                self.types = tuple(self.types)
-            check_resolution(self.image_size, self.patch_size, self.glyph_scale, self.types or DETAIL_TYPES)
+            self.types = DETAIL_TYPES if self.types is None else check_types(self.types, DETAIL_TYPES, "fine-detail")
+            check_resolution(self.image_size, self.patch_size, self.glyph_scale, self.types)
             if self.distractors:  # its pictures have their own clutter (`vlmod.data.detail`)
                 raise InputError(f"--distractors is the shapes set's extra shapes; the fine-detail set draws its own "
                                  f"clutter: leave it out of --task detail (got {self.distractors})")
