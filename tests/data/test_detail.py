@@ -81,6 +81,10 @@ def test_the_question_names_one_item_and_its_box_holds_the_answer(detail_set: Pa
     colour only the markers counted (count_small); the answer's boxes are where those items were
     drawn (a glyph's pixels are its bitmap in its colour), so the share is computed from the
     geometry the answer rests on."""
+    _check_answers(detail_set)
+
+
+def _check_answers(detail_set: Path, scale: int = 1) -> None:
     from vlmod.data.scenes import COLORS
 
     for r in _records(detail_set, "train") + _records(detail_set, "val"):
@@ -103,7 +107,7 @@ def test_the_question_names_one_item_and_its_box_holds_the_answer(detail_set: Pa
         assert m["answer_boxes"] == [target["box"]]
         x0, y0, x1, y1 = target["box"]
         drawn = (img[y0:y1, x0:x1] == np.array(COLORS[target["color"]])).all(axis=-1)
-        assert np.array_equal(drawn, glyph_mask(target["digit"]))
+        assert np.array_equal(drawn, glyph_mask(target["digit"], scale))
 
 
 def test_a_resolution_whose_answers_exceed_5_percent_is_refused_in_one_line(tmp_path: Path,
@@ -269,3 +273,35 @@ def test_reuse_dense_refuses_a_dense_model_of_another_detail_set() -> None:
     assert changed_settings(asdict(now), now, DENSE_SETTINGS) == []
     old = {k: v for k, v in asdict(now).items() if k not in ("glyph_scale", "types", "question_first")}
     assert changed_settings(old, now, DENSE_SETTINGS) == ["glyph_scale", "types", "question_first"]
+    assert changed_settings({**asdict(now), "layout": "page"}, now, DENSE_SETTINGS) == ["layout"]
+
+
+def test_a_page_fills_the_picture_with_glyphs_each_question_still_naming_one(tmp_path: Path) -> None:
+    """The page layout: 12-20 clutter glyphs a validation picture (as many as find room), digits
+    repeating, cells touching and on the border, at most 2 large shapes; the question still names
+    one glyph, its answer on 4 of the 144 tokens; no markers, so count_small is refused."""
+    from vlmod.data.detail import LAYOUTS, check_layout
+
+    with pytest.raises(InputError, match="the page layout draws no markers, so it asks the glyph types only"):
+        generate_detail(tmp_path / "refused", 6, 3, scale=2, question_types=("digit", "count_small"), layout="page")
+    with pytest.raises(InputError, match="--layout takes one of scene, page, got 'book'"):
+        check_layout("book")
+    assert not (tmp_path / "refused").exists()
+    out = tmp_path / "page"
+    generate_detail(out, num_train=40, num_val=40, seed=3, scale=2, question_types=("digit", "small_color"),
+                    question_first=True, layout="page")
+    assert json.loads((out / "meta.json").read_text())["layout"] == "page"
+    _check_answers(out, scale=2)
+    val = _records(out, "val")
+    glyphs = [len(r["meta"]["glyphs"]) for r in val]
+    assert min(glyphs) >= 1 + LAYOUTS["page"].glyphs[0] - 4 and np.mean(glyphs) > 15  # ~48% of the tokens
+    cells = [{(g["box"][1] // 16, g["box"][0] // 16) for g in r["meta"]["glyphs"]} for r in val]
+    assert all(len(c) == len(r["meta"]["glyphs"]) for c, r in zip(cells, val, strict=True))  # one glyph a cell
+    assert any((0 in {a for a, _ in c}) or (5 in {b for _, b in c}) for c in cells)  # the border is used
+    assert any(any((a + 1, b) in c or (a, b + 1) in c for a, b in c) for c in cells)  # cells touch
+    assert any(len({g["digit"] for g in r["meta"]["glyphs"]}) < len(r["meta"]["glyphs"]) for r in val)  # digits repeat
+    assert all(len(r["meta"]["objects"]) <= 2 and not any(o.get("small") for o in r["meta"]["objects"]) for r in val)
+    for r in val:
+        assert len(r["meta"]["answer_patches"]) == 4 and answer_share(r["meta"], 96, 8) == 4 / 144
+    train = [len(r["meta"]["glyphs"]) for r in _records(out, "train")]
+    assert min(train) == 1 and np.mean(train) < np.mean(glyphs)  # the curriculum: from none up

@@ -11,7 +11,7 @@ from typing import Any
 
 from vlmod.cli.argtypes import finite_float, int_at_least, non_negative_float, positive_int, threads
 from vlmod.cli.common import EXIT_INTERRUPTED, SubParsers
-from vlmod.data.detail import DETAIL_TYPES
+from vlmod.data.detail import DETAIL_TYPES, LAYOUTS
 from vlmod.errors import InputError
 from vlmod.recipes.settings import DEFAULT_STACK_SHARE, ISOFLOP_DENSE_STEPS, TASKS, RecipeSettings
 
@@ -182,6 +182,9 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     parser.add_argument("--question-first", action=argparse.BooleanOptionalAction, default=None,
                         help="detail task: each prompt puts the question before the picture (default: "
                              f"{'on' if detail.question_first else 'off'})")
+    parser.add_argument("--layout", choices=tuple(LAYOUTS), default=None,
+                        help="detail task: scene (a few glyphs among large shapes) or page (glyphs filling the "
+                             f"picture like text) (default: {detail.layout})")
     parser.add_argument("--routers", nargs="*", default=None,
                         help=f"baselines at every point (default: {' '.join(image.routers)})")
     parser.add_argument("--image-model", default=None, metavar="DIR",
@@ -241,6 +244,8 @@ def run_recipe_command(args: argparse.Namespace) -> int:
         overrides["targets"] = tuple(args.targets)
     if args.types is not None:
         overrides["types"] = args.types
+    if args.layout is not None:
+        overrides["layout"] = args.layout
     if args.routers is not None:
         bad = [r for r in args.routers if r not in ROUTERS or r in ("learned", "inverted")]
         if bad:

@@ -35,6 +35,7 @@ same seed gives the same bytes; files as the shapes set writes them (`train.json
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -59,13 +60,38 @@ MAX_ANSWER_SHARE = 0.05
 MAX_ITEMS = 4  # the most answer patches a question rests on (count_small's "four")
 MIN_PATCH = 8  # a 5 x 7 glyph and its jitter fit inside one patch
 DEFAULT_IMAGE_SIZE, DEFAULT_PATCH_SIZE = 96, 8  # 12 x 12 = 144 vision tokens: 4 patches are 2.8%
-LARGE = (4, 6)  # large shapes a picture
-CLUTTER_GLYPHS = (5, 8)  # glyphs a picture besides the one asked about (as many as find room)
-CLUTTER_MARKERS = (1, 3)  # markers of other colours than the asked ones
-# The training split's clutter when `curriculum` is on: from none to the validation set's most, so
-# some questions can be answered by finding any glyph before the model learns to pick the named one.
-CURRICULUM_GLYPHS, CURRICULUM_MARKERS = (0, CLUTTER_GLYPHS[1]), (0, CLUTTER_MARKERS[1])
 MARKER_RADIUS = 2.5  # a small marker's outer radius at patch size 8: a 4 px square
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a picture is filled. `glyphs` / `markers`: the clutter a validation picture draws (as
+    many as find room); with `curriculum` the training pictures draw from none to the most, so some
+    questions can be answered by finding any glyph before the model learns to pick the named one.
+    `spaced`: no item on the border row or column and no two items' cells touching, the digits of
+    a picture distinct; else items fill any free cell and digits repeat, as text does. `markers`
+    None: no markers at all (the glyph questions only)."""
+
+    large: tuple[int, int]  # large shapes a picture
+    glyphs: tuple[int, int]  # glyphs besides the one asked about
+    markers: tuple[int, int] | None  # markers of other colours than the asked ones
+    spaced: bool
+
+    def clutter(self, curriculum: bool) -> tuple[tuple[int, int], tuple[int, int] | None]:
+        if not curriculum:
+            return self.glyphs, self.markers
+        return (0, self.glyphs[1]), None if self.markers is None else (0, self.markers[1])
+
+
+# scene: a few glyphs and markers spread over a picture of large shapes, each the most salient
+# thing around it. page: a picture filled with glyphs like a page of text (12-20 besides the asked
+# one, ~17 drawn at 2 x 2 patches: half the tokens), so a budget that does not read the question
+# cannot keep every glyph.
+LAYOUTS: dict[str, Layout] = {
+    "scene": Layout(large=(4, 6), glyphs=(5, 8), markers=(1, 3), spaced=True),
+    "page": Layout(large=(1, 2), glyphs=(12, 20), markers=None, spaced=False),
+}
+GLYPH_TYPES = ("digit", "small_color")  # the types a layout without markers asks
 
 # 5 x 7 bitmaps, one string of 5 bits a row.
 FONT: dict[int, tuple[str, ...]] = {
@@ -112,6 +138,16 @@ def check_resolution(image_size: int, patch_size: int, scale: int = 1,
                          f"{100 * MAX_ANSWER_SHARE:g}%: give an image size of at least {need} px{hint}")
 
 
+def check_layout(layout: str, question_types: Sequence[str] = DETAIL_TYPES) -> None:
+    """InputError (one line) unless `layout` names a LAYOUTS entry that can ask every question type
+    (a layout without markers has nothing for count_small to count)."""
+    if layout not in LAYOUTS:
+        raise InputError(f"--layout takes one of {', '.join(LAYOUTS)}, got {layout!r}")
+    if LAYOUTS[layout].markers is None and set(question_types) - set(GLYPH_TYPES):
+        raise InputError(f"the {layout} layout draws no markers, so it asks the glyph types only: give --types "
+                         f"{','.join(GLYPH_TYPES)} (got {','.join(question_types)})")
+
+
 def box_patches(box: Sequence[float], image_size: int, patch_size: int) -> list[int]:
     """Row-major indices of the patches a pixel box [x0, y0, x1, y1) touches."""
     grid = image_size // patch_size
@@ -127,20 +163,22 @@ def answer_share(meta: dict[str, Any], image_size: int, patch_size: int) -> floa
     return len(patches) / (image_size // patch_size) ** 2
 
 
-def _free_cells(alphas: list[np.ndarray], size: int, patch: int) -> np.ndarray:
-    """[grid, grid] bool: the patch cells (off the picture's border) that no large shape (its
-    coverage in `alphas`) touches."""
+def _free_cells(alphas: list[np.ndarray], size: int, patch: int, spaced: bool = True) -> np.ndarray:
+    """[grid, grid] bool: the patch cells that no large shape (its coverage in `alphas`) touches,
+    off the picture's border if `spaced`."""
     cover = np.sum(alphas, axis=0) if alphas else np.zeros((size, size), dtype=np.float32)
     g = size // patch
     free = cover.reshape(g, patch, g, patch).max(axis=(1, 3)) == 0.0
-    free[0, :] = free[-1, :] = free[:, 0] = free[:, -1] = False
+    if spaced:
+        free[0, :] = free[-1, :] = free[:, 0] = free[:, -1] = False
     return free
 
 
-def _pick_cells(rng: np.random.Generator, free: np.ndarray, wanted: list[int]) -> list[tuple[int, int]] | None:
-    """Free cells, none touching another, for each group of `wanted` items in turn (the answer's
-    first, then the clutter): every cell of the first group, as many as fit of the others (None
-    when the first group does not fit)."""
+def _pick_cells(rng: np.random.Generator, free: np.ndarray, wanted: list[int],
+                spaced: bool = True) -> list[tuple[int, int]] | None:
+    """Free cells (none touching another if `spaced`) for each group of `wanted` items in turn (the
+    answer's first, then the clutter): every cell of the first group, as many as fit of the others
+    (None when the first group does not fit)."""
     cells: list[tuple[int, int]] = []
     order = [divmod(int(flat), free.shape[1]) for flat in rng.permutation(free.size)]
     for group, n in enumerate(wanted):
@@ -148,7 +186,9 @@ def _pick_cells(rng: np.random.Generator, free: np.ndarray, wanted: list[int]) -
         for r, c in order:
             if len(cells) - before == n:
                 break
-            if free[r, c] and all(max(abs(r - a), abs(c - b)) > 1 for a, b in cells):
+            if not free[r, c] or (r, c) in cells:
+                continue
+            if not spaced or all(max(abs(r - a), abs(c - b)) > 1 for a, b in cells):
                 cells.append((r, c))
         if group == 0 and len(cells) < n:
             return None
@@ -161,14 +201,18 @@ def _others(rng: np.random.Generator, pool: Sequence[Any], exclude: Any, n: int)
     return [rest[int(i)] for i in rng.integers(len(rest), size=n)]
 
 
-def _plan_items(rng: np.random.Generator, qtype: str, answer: str, glyph_range: tuple[int, int] = CLUTTER_GLYPHS,
-                marker_range: tuple[int, int] = CLUTTER_MARKERS) -> tuple[list[dict[str, Any]], list[dict[str, Any]], str]:
+def _plan_items(rng: np.random.Generator, qtype: str, answer: str, glyph_range: tuple[int, int],
+                marker_range: tuple[int, int] | None,
+                spaced: bool = True) -> tuple[list[dict[str, Any]], list[dict[str, Any]], str]:
     """(the items the answer rests on, the clutter, the question): glyphs ({"digit", "color"}) and
-    markers ({"color"}), as many clutter glyphs and markers as drawn from the two ranges. The
-    question names its item uniquely: the only glyph of its colour, the only glyph of its digit,
-    the only small things of its colour."""
+    markers ({"color"}), as many clutter glyphs and markers as drawn from the two ranges (None: no
+    markers); `spaced`: the clutter's digits distinct, else they repeat. The question names its
+    item uniquely: the only glyph of its colour, the only glyph of its digit, the only small things
+    of its colour."""
     colors = list(COLORS)
     n_glyphs = int(rng.integers(glyph_range[0], glyph_range[1] + 1))
+    if marker_range is None:  # a page: glyphs only, digits repeating
+        return _plan_page(rng, qtype, answer, n_glyphs)
     markers = [{"color": c} for c in _others(rng, colors, None, int(rng.integers(marker_range[0], marker_range[1] + 1)))]
     if qtype == "count_small":
         color = colors[int(rng.integers(len(colors)))]
@@ -187,6 +231,26 @@ def _plan_items(rng: np.random.Generator, qtype: str, answer: str, glyph_range: 
     glyphs = [{"digit": d, "color": c} for d, c in zip(digits, clutter_colors, strict=True)]
     question = DETAIL_QUESTIONS[qtype].format(color=color, digit=DIGITS[digit])
     return [{"digit": digit, "color": color}], glyphs + markers, question
+
+
+def _plan_page(rng: np.random.Generator, qtype: str, answer: str,
+               n_glyphs: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]], str]:
+    """`_plan_items` for a page: n_glyphs clutter glyphs whose digits repeat (any digit for a
+    digit question, whose asked colour names the glyph; any but the asked one for small_color)."""
+    if qtype not in GLYPH_TYPES:
+        raise ValueError(f"a page asks the glyph types {', '.join(GLYPH_TYPES)}, not {qtype!r}")
+    colors = list(COLORS)
+    if qtype == "digit":
+        digit, color = DIGITS.index(answer), colors[int(rng.integers(len(colors)))]
+        clutter_colors = _others(rng, colors, color, n_glyphs)
+        digits = [int(d) for d in rng.integers(10, size=n_glyphs)]
+    else:
+        digit, color = int(rng.integers(10)), answer
+        clutter_colors = _others(rng, colors, None, n_glyphs)
+        digits = _others(rng, list(range(10)), digit, n_glyphs)
+    glyphs = [{"digit": d, "color": c} for d, c in zip(digits, clutter_colors, strict=True)]
+    question = DETAIL_QUESTIONS[qtype].format(color=color, digit=DIGITS[digit])
+    return [{"digit": digit, "color": color}], glyphs, question
 
 
 def _draw_item(rng: np.random.Generator, img: np.ndarray, item: dict[str, Any], cell: tuple[int, int],
@@ -212,27 +276,27 @@ def _draw_item(rng: np.random.Generator, img: np.ndarray, item: dict[str, Any], 
 
 
 def detail_sample(rng: np.random.Generator, qtype: str, answer: str, size: int = DEFAULT_IMAGE_SIZE,
-                  patch: int = DEFAULT_PATCH_SIZE, curriculum: bool = False,
-                  scale: int = 1) -> tuple[np.ndarray, str, dict[str, Any]]:
+                  patch: int = DEFAULT_PATCH_SIZE, curriculum: bool = False, scale: int = 1,
+                  layout: str = "scene") -> tuple[np.ndarray, str, dict[str, Any]]:
     """(image uint8 [size, size, 3], question, meta) of one fine-detail question whose answer is
     `answer`; `curriculum`: the clutter drawn from the training split's wider ranges (none to most);
-    `scale`: every glyph and marker drawn `scale` times larger in a cell of scale x scale patches."""
+    `scale`: every glyph and marker drawn `scale` times larger in a cell of scale x scale patches;
+    `layout`: a name of LAYOUTS."""
     if qtype not in DETAIL_TYPES:
         raise ValueError(f"unknown fine-detail question type {qtype!r}; types: {', '.join(DETAIL_TYPES)}")
     if answer not in DETAIL_ANSWERS[qtype]:
         raise ValueError(f"{answer!r} is not an answer of {qtype!r} questions: {DETAIL_ANSWERS[qtype]}")
-    colors, cell = list(COLORS), patch * scale
-    ranges = (CURRICULUM_GLYPHS, CURRICULUM_MARKERS) if curriculum else (CLUTTER_GLYPHS, CLUTTER_MARKERS)
-    targets, clutter, question = _plan_items(rng, qtype, answer, *ranges)
+    colors, cell, lay = list(COLORS), patch * scale, LAYOUTS[layout]
+    targets, clutter, question = _plan_items(rng, qtype, answer, *lay.clutter(curriculum), spaced=lay.spaced)
     while True:  # a scene whose large shapes leave no room for the answer is drawn again (same seed, same draws)
         large = []
-        for _ in range(int(rng.integers(LARGE[0], LARGE[1] + 1))):
+        for _ in range(int(rng.integers(lay.large[0], lay.large[1] + 1))):
             r = float(rng.uniform(0.1, 0.19)) * size
             cx, cy = (float(v) for v in rng.uniform(r * 0.6, size - r * 0.6, size=2))
             large.append({"shape": SHAPES[int(rng.integers(len(SHAPES)))], "color": colors[int(rng.integers(len(colors)))],
                           "center": [round(cx, 3), round(cy, 3)], "radius": round(r, 3)})
         alphas = [shape_alpha(o["shape"], *o["center"], o["radius"], size) for o in large]
-        cells = _pick_cells(rng, _free_cells(alphas, size, cell), [len(targets), len(clutter)])
+        cells = _pick_cells(rng, _free_cells(alphas, size, cell, lay.spaced), [len(targets), len(clutter)], lay.spaced)
         if cells is not None:
             break
     img = background(rng, size)
@@ -258,14 +322,15 @@ def caption(meta: dict[str, Any]) -> str:
 def generate_detail(out_dir: str | Path, num_train: int, num_val: int, image_size: int = DEFAULT_IMAGE_SIZE,
                     patch_size: int = DEFAULT_PATCH_SIZE, seed: int = 0,
                     question_types: Sequence[str] = DETAIL_TYPES, curriculum: bool = True, captions: bool = False,
-                    scale: int = 1, question_first: bool = False, progress: bool = False) -> Any:
+                    scale: int = 1, question_first: bool = False, layout: str = "scene", progress: bool = False) -> Any:
     """Write the fine-detail set to `out_dir` (the module doc) and say what was written
     (`synthetic.SyntheticSummary`). `curriculum`: the training pictures' clutter from none to the
-    validation set's most (CURRICULUM_GLYPHS); `captions`: a caption record (`caption`) beside each
-    training question; `scale`: glyphs and markers drawn over scale x scale patches (`detail_sample`);
+    validation set's most (`Layout`); `captions`: a caption record (`caption`) beside each training
+    question; `scale`: glyphs and markers drawn over scale x scale patches (`detail_sample`);
     `question_first`: each prompt puts the question before the picture, so every vision token can
-    attend to the words that name what to find. Refuses a resolution whose answers could exceed
-    MAX_ANSWER_SHARE of the vision tokens (`check_resolution`). Same arguments, same bytes."""
+    attend to the words that name what to find; `layout`: a name of LAYOUTS (`check_layout`).
+    Refuses a resolution whose answers could exceed MAX_ANSWER_SHARE of the vision tokens
+    (`check_resolution`). Same arguments, same bytes."""
     from tqdm.auto import tqdm
 
     from vlmod.data.synthetic import (
@@ -284,6 +349,7 @@ def generate_detail(out_dir: str | Path, num_train: int, num_val: int, image_siz
         if value < 0:
             raise ValueError(f"{name} must be >= 0, got {value}")
     qtypes = check_types(question_types, DETAIL_TYPES, "fine-detail")
+    check_layout(layout, qtypes)
     check_resolution(image_size, patch_size, scale, qtypes)
     out = Path(out_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
@@ -297,7 +363,7 @@ def generate_detail(out_dir: str | Path, num_train: int, num_val: int, image_siz
             for i, (qtype, answer) in enumerate(plan):
                 img, question, meta = detail_sample(np.random.default_rng([seed, code, 2, i]), qtype, answer,
                                                     image_size, patch_size, curriculum=curriculum and split == "train",
-                                                    scale=scale)
+                                                    scale=scale, layout=layout)
                 name = f"{i:06d}.png"
                 _write_png(folder / name, img)
                 names.add(name)
@@ -315,12 +381,13 @@ def generate_detail(out_dir: str | Path, num_train: int, num_val: int, image_siz
             splits[split] = {"file": path.name, "records": len(records), "answer_counts": counts}
     _write_json(out / "meta.json", {
         "generator": "vlmod.data.detail", "seed": seed, "image_size": image_size, "patch_size": patch_size,
-        "glyph_scale": scale, "question_first": question_first, "max_answer_share": MAX_ANSWER_SHARE,
+        "glyph_scale": scale, "question_first": question_first, "layout": layout, "max_answer_share": MAX_ANSWER_SHARE,
         "curriculum": curriculum, "captions": captions, "question_types": list(qtypes), "questions": DETAIL_QUESTIONS,
         "answers": {k: list(v) for k, v in DETAIL_ANSWERS.items()}, "splits": splits,
     })
     return summary
 
 
-__all__ = ["DETAIL_ANSWERS", "DETAIL_QUESTIONS", "DETAIL_TYPES", "DIGITS", "FONT", "MAX_ANSWER_SHARE", "answer_share",
-           "box_patches", "caption", "check_resolution", "detail_sample", "generate_detail", "glyph_mask"]
+__all__ = ["DETAIL_ANSWERS", "DETAIL_QUESTIONS", "DETAIL_TYPES", "DIGITS", "FONT", "GLYPH_TYPES", "LAYOUTS",
+           "MAX_ANSWER_SHARE", "Layout", "answer_share", "box_patches", "caption", "check_layout", "check_resolution",
+           "detail_sample", "generate_detail", "glyph_mask"]

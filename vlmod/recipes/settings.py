@@ -14,7 +14,7 @@ import torch
 
 from vlmod.data.detail import DEFAULT_IMAGE_SIZE as DETAIL_IMAGE_SIZE
 from vlmod.data.detail import DEFAULT_PATCH_SIZE as DETAIL_PATCH_SIZE
-from vlmod.data.detail import DETAIL_TYPES, check_resolution
+from vlmod.data.detail import DETAIL_TYPES, check_layout, check_resolution
 from vlmod.data.scenes import MAX_DISTRACTORS
 from vlmod.data.synthetic import check_types
 from vlmod.errors import InputError
@@ -57,6 +57,7 @@ class RecipeSettings:
     glyph_scale: int = 1
     types: tuple[str, ...] | None = None
     question_first: bool = False  # the fine-detail prompts put the question before the picture
+    layout: str = "scene"  # the fine-detail pictures' layout (`vlmod.data.detail.LAYOUTS`)
     width: int = 128
     layers: int = 8
     heads: int = 8
@@ -228,13 +229,14 @@ class RecipeSettings:
                              f"{self.distractors}")
         if self.task == "detail":  # answers within 5% of the vision tokens, else refused before any stage
             self.types = DETAIL_TYPES if self.types is None else check_types(self.types, DETAIL_TYPES, "fine-detail")
+            check_layout(self.layout, self.types)
             check_resolution(self.image_size, self.patch_size, self.glyph_scale, self.types)
             if self.distractors:  # its pictures have their own clutter (`vlmod.data.detail`)
                 raise InputError(f"--distractors is the shapes set's extra shapes; the fine-detail set draws its own "
                                  f"clutter: leave it out of --task detail (got {self.distractors})")
-        elif self.glyph_scale != 1 or self.types is not None or self.question_first:
-            raise InputError(f"--glyph-scale, --types and --question-first shape the fine-detail set: give them with "
-                             f"--task detail, not --task {self.task}")
+        elif self.glyph_scale != 1 or self.types is not None or self.question_first or self.layout != "scene":
+            raise InputError(f"--glyph-scale, --types, --question-first and --layout shape the fine-detail set: give "
+                             f"them with --task detail, not --task {self.task}")
         if self.task == "video" and self.frames < 2:  # else the data stage's ValueError, as a traceback
             raise InputError(f"frames is the frames of a clip, >= 2 for the video task's moving objects, got "
                              f"{self.frames}")
