@@ -192,6 +192,10 @@ def test_the_quick_detail_recipe_runs_every_method_at_every_point(tmp_path: Path
     assert all(len(r["meta"]["answer_patches"]) == 4 for r in records)
     assert all(r["conversations"][0]["value"].endswith("\n<image>") for r in records)
     assert "val_patch_digit_accuracy" in json.loads((out / "tower" / "log.json").read_text())
+    # The set check that the answers rest on their own tokens, on the first baseline questions.
+    blanked = next(c for c in saved["set_checks"]["checks"] if c["name"] == "answer_tokens")
+    assert set(blanked["value"]) == set(saved["settings"]["types"]) and blanked["pass"] is None  # --quick: no verdict
+    assert "answer tokens: dense, the answer's tokens blanked" in (out / "results.md").read_text()
     assert json.loads((out / "init" / "config.json").read_text())["vision_config"]["image_size"] == 96
     # The dense stage leaves the pretrained tower as it was (trained on, it forgot the glyphs).
     from safetensors.torch import load_file

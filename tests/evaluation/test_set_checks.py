@@ -8,11 +8,15 @@ import math
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from vlmod.data import LlavaDataset
 from vlmod.data.video import write_video
 from vlmod.evaluation.set_checks import (
+    _digest,
+    answer_blanked_report,
+    blanking_answers,
     blind_ceiling,
     chance,
     failures,
@@ -152,3 +156,69 @@ def test_the_one_frame_evaluation_shows_the_model_the_middle_frame_in_every_posi
     for batch in seen:
         for clip in batch:
             assert all(torch.equal(clip[t], real[4]) for t in range(8))
+
+
+def test_answer_blanking_replaces_each_pictures_answer_tokens_by_the_mean_of_its_others(tmp_path: Path) -> None:
+    """Before: nothing asked whether a fine-detail answer rests on its own tokens, and on the glyph
+    set the dense model still answered 83.5% with them dropped (its tower spreads each glyph over
+    every token), so no choice of tokens could discriminate. Now the answer's projected tokens are
+    replaced by the mean of the picture's others (same tokens, no answer there), every other token
+    untouched, and the check fails a type the model still answers."""
+    from vlmod.data.detail import generate_detail
+
+    generate_detail(tmp_path, num_train=0, num_val=3, seed=1, scale=2, question_types=("digit",))
+    model, processor = tiny.build("llava", image_size=96, patch_size=8)
+    model.eval()
+    records = json.loads((tmp_path / "val.json").read_text())
+    data = LlavaDataset(records, processor, tmp_path)
+    pixels = torch.stack([data[i]["pixel_values"].reshape(-1, 3, 96, 96)[0] for i in range(3)])
+    answers = {_digest(p): r["meta"]["answer_patches"] for p, r in zip(pixels, records, strict=True)}
+
+    def features() -> torch.Tensor:
+        with torch.no_grad():
+            out = model.model.get_image_features(pixels, vision_feature_layer=model.config.vision_feature_layer,
+                                                 vision_feature_select_strategy="default", return_dict=True)
+        return torch.stack(list(out.pooler_output)).reshape(3, 144, -1)
+
+    plain = features()
+    with blanking_answers(model, answers):
+        blanked = features()
+    assert torch.equal(features(), plain)  # the hooks are gone
+    for i, r in enumerate(records):
+        at = r["meta"]["answer_patches"]
+        others = [p for p in range(144) if p not in at]
+        assert len(at) == 4 and torch.equal(blanked[i, others], plain[i, others])
+        assert torch.allclose(blanked[i, at], plain[i, others].mean(0).expand(4, -1), atol=1e-5)
+        assert not torch.allclose(blanked[i, at], plain[i, at])
+    with blanking_answers(model, {}), pytest.raises(ValueError, match="not in the set whose answers were read"):
+        features()
+    report = answer_blanked_report(model, processor, tmp_path / "val.json", limit=2, batch_size=2)
+    assert len(report.samples) == 2 and set(report.accuracy_by_type) == {"digit"}
+    train = _write(tmp_path / "t.json", records)
+    dense = _dense(0.9, {"digit": 0.9}, "1" * 3)
+    checks = {c["name"]: c for c in set_checks([dense], train, train, answer_blanked={"digit": 0.95},
+                                               answer_blanked_samples=3)["checks"]}
+    assert checks["answer_tokens"]["pass"] is False and checks["answer_tokens"]["threshold"] == {"digit": 20.0}
+    assert "answer tokens: dense, the answer's tokens blanked (first 3 questions)" in format_set_checks(
+        {"checks": list(checks.values()), "verdict": True})
+
+
+def test_a_tiny_llava_can_read_its_patch_embeddings_where_a_patch_changes_its_own_token_only() -> None:
+    """Before: `vision_feature_layer=0` (the tower's embeddings) failed inside transformers 5, which
+    asks the tower for its hidden states only when the index is truthy. Now it is given by its
+    negative twin, and there each token holds its own patch alone: painting one patch changes that
+    token and no other, where the last layer's tokens all change (the tower mixes every patch)."""
+    for layer, local in ((0, True), (-1, False)):
+        model, _ = tiny.build("llava", image_size=32, patch_size=8, vision_feature_layer=layer, seed=0)
+        assert model.config.vision_feature_layer == (-3 if layer == 0 else -1)
+        pixels = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+        painted = pixels.clone()
+        painted[:, :, 8:16, 16:24] += 1.0  # patch (1, 2): token 6 of the 4 x 4 grid
+        with torch.no_grad():
+            a, b = (torch.stack(list(model.model.get_image_features(
+                p, vision_feature_layer=model.config.vision_feature_layer, vision_feature_select_strategy="default",
+                return_dict=True).pooler_output))[0] for p in (pixels, painted))
+        changed = [i for i in range(16) if not torch.allclose(a[i], b[i])]
+        assert changed == ([6] if local else list(range(16)))
+    with pytest.raises(ValueError, match="indexes the tower's 3 hidden states"):
+        tiny.build("llava", vision_feature_layer=3)

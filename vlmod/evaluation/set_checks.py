@@ -13,6 +13,11 @@ random routing loses nothing, cannot tell a good router from a lucky one. So the
 - one frame (video): the dense model on clips whose every frame is the middle one scores at most
   chance + 10 on every type that needs several frames (it sees one frame's content in every
   position, so the token count and the prompt are unchanged);
+- answer tokens (fine-detail): the dense model with each picture's answer tokens blanked after
+  the tower (`answer_blanked_report`) scores at most chance + 10 on every type: the answer rests
+  on its own few tokens, so a method that drops them loses it. A tower that spreads each glyph
+  over every token fails it (the glyph set over 2 x 2 patches: 83.5% with the answer's 4 tokens
+  dropped, dense 82.2%; docs/data.md), and no choice of tokens could then discriminate;
 - dense: at least 85% on every type and 88-97% overall (room above and below);
 - discrimination: at 3x fewer language-model prefill FLOPs, random routing loses at least 10
   points against dense and the best training-free method (attention router, pre-LLM reduction,
@@ -25,11 +30,16 @@ Values and thresholds are in percent (losses in points). A run too small for a v
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import math
 from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+import torch
+from torch import Tensor, nn
 
 from vlmod.data import LlavaDataset, load_records
 from vlmod.data.answers import is_correct
@@ -105,6 +115,65 @@ def one_frame_report(model: Any, processor: Any, val: Path, frames: int, limit: 
                     name="dense, one frame", limit=limit)
 
 
+def _digest(pixels: Tensor) -> bytes:
+    return hashlib.blake2b(pixels.detach().float().cpu().contiguous().numpy().tobytes(), digest_size=16).digest()
+
+
+@contextlib.contextmanager
+def blanking_answers(model: nn.Module, answers: Mapping[bytes, Sequence[int]]) -> Any:
+    """While inside, each picture whose pixels `answers` knows (by `_digest`) reaches the language
+    model with the projected features of its answer patches replaced by the mean of its other
+    patches: the same tokens, none holding the answer. A picture it does not know is an error."""
+    from vlmod.io.hf import vision_tower
+
+    inner = model.model
+    seen: list[Sequence[int]] = []
+
+    def note(_module: nn.Module, args: tuple, kwargs: dict) -> None:
+        pixels = args[0] if args else kwargs["pixel_values"]
+        digests = [_digest(p) for p in pixels.reshape(-1, *pixels.shape[-3:])]
+        if any(d not in answers for d in digests):
+            raise ValueError("answer blanking: a picture of the batch is not in the set whose answers were read")
+        seen[:] = [answers[d] for d in digests]
+
+    def blank(_module: nn.Module, _args: tuple, out: Tensor) -> Tensor:
+        images, patches = out.shape[:2]
+        if len(seen) != images:
+            raise ValueError(f"answer blanking: {images} projected pictures for {len(seen)} seen by the tower")
+        rows = torch.tensor([i for i, at in enumerate(seen) for _ in at], dtype=torch.long)
+        cols = torch.tensor([p for at in seen for p in at], dtype=torch.long)
+        keep = torch.ones(images, patches, dtype=torch.bool, device=out.device)
+        keep[rows.to(out.device), cols.to(out.device)] = False
+        weight = keep.unsqueeze(-1).to(out.dtype)
+        mean = (out * weight).sum(1, keepdim=True) / weight.sum(1, keepdim=True).clamp_min(1)
+        return torch.where(keep.unsqueeze(-1), out, mean.expand_as(out))
+
+    hooks = [vision_tower(model).register_forward_pre_hook(note, with_kwargs=True),
+             inner.multi_modal_projector.register_forward_hook(blank)]
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def answer_blanked_report(model: Any, processor: Any, val: Path, limit: int | None, batch_size: int,
+                          progress: bool = False) -> Any:
+    """The dense model's `EvalReport` on the first `limit` fine-detail questions of `val`, each
+    picture's answer tokens (`meta.answer_patches`) blanked after the tower (`blanking_answers`),
+    scored as the recipe scores (greedy, 4 new tokens)."""
+    from vlmod.evaluation.evaluate import evaluate
+    from vlmod.io.hf import max_positions
+
+    records = load_records(val)[:limit]
+    data = LlavaDataset(records, processor, val.parent, cache=True, max_tokens=max_positions(model))
+    answers = {_digest(data[i]["pixel_values"].reshape(-1, *data[i]["pixel_values"].shape[-3:])[0]):
+               r.raw["meta"]["answer_patches"] for i, r in enumerate(records)}
+    with blanking_answers(model, answers):
+        return evaluate(model, processor, data, batch_size=batch_size, max_new_tokens=4, progress=progress,
+                        name="dense, answer tokens blanked", limit=limit)
+
+
 def loss_at(rows: Sequence[Mapping[str, Any]], method: str, at: float = AT) -> float | None:
     """Points `method` loses against dense (on its questions) at `at`x fewer LM prefill FLOPs: its
     row at that target, else interpolated in log reduction between its measured points (dense at
@@ -135,10 +204,12 @@ def _check(name: str, label: str, value: Any, threshold: Any, rule: str, failed:
 
 def set_checks(rows: Sequence[Mapping[str, Any]], train: Path, val: Path, temporal: Sequence[str] = (),
                one_frame: Mapping[str, float] | None = None, one_frame_samples: int = 0, verdict: bool = True,
-               at: float = AT) -> dict[str, Any]:
-    """The checks of the module doc from the recipe's frontier `rows`, its data files and (video) the
-    one-frame accuracy by type (fractions, on `one_frame_samples` questions). `verdict`: False for a
-    run too small to judge (every check measured, none passed)."""
+               at: float = AT, answer_blanked: Mapping[str, float] | None = None,
+               answer_blanked_samples: int = 0) -> dict[str, Any]:
+    """The checks of the module doc from the recipe's frontier `rows`, its data files, (video) the
+    one-frame accuracy by type (fractions, on `one_frame_samples` questions) and (fine-detail) the
+    accuracy by type with the answer tokens blanked (on `answer_blanked_samples`). `verdict`: False
+    for a run too small to judge (every check measured, none passed)."""
     dense = next(r for r in rows if r["method"] == "dense")
     blind = blind_ceiling(train, val)
     floor = {t: v for t, v in chance(train).items() if t in blind}  # the asked types (not training's captions)
@@ -155,6 +226,12 @@ def set_checks(rows: Sequence[Mapping[str, Any]], train: Path, val: Path, tempor
                              f"{one_frame_samples} questions)", values, limits,
                              f"at most chance + {MARGIN:g} on each type marked *",
                              [t for t, lim in limits.items() if values[t] > lim], verdict))
+    if answer_blanked is not None:
+        values = {t: 100 * a for t, a in sorted(answer_blanked.items())}
+        checks.append(_check("answer_tokens", f"answer tokens: dense, the answer's tokens blanked (first "
+                             f"{answer_blanked_samples} questions)", values, {t: ceiling[t] for t in values if t in ceiling},
+                             f"at most chance + {MARGIN:g}",
+                             [t for t, v in values.items() if v > ceiling.get(t, 100.0)], verdict))
     by_type = {t: 100 * a for t, a in sorted(dense["accuracy_by_type"].items())}
     checks.append(_check("dense_types", "dense, each type", by_type, DENSE_TYPE_FLOOR, f"at least {DENSE_TYPE_FLOOR:g}%",
                          [t for t, v in by_type.items() if v < DENSE_TYPE_FLOOR], verdict))
@@ -223,20 +300,25 @@ def failures(checks: Mapping[str, Any]) -> list[str]:
 
 
 def check_recipe_sets(rows: Sequence[Mapping[str, Any]], train: Path, val: Path, temporal: Sequence[str],
-                      one_frame: Callable[[], Any] | None, verdict: bool,
-                      log: Callable[[str], None]) -> dict[str, Any]:
-    """The recipe's hook: the checks (`one_frame()`: the one-frame `EvalReport`, video), each failure
-    logged."""
+                      one_frame: Callable[[], Any] | None, verdict: bool, log: Callable[[str], None],
+                      answer_blanked: Callable[[], Any] | None = None) -> dict[str, Any]:
+    """The recipe's hook: the checks (`one_frame()`: the one-frame `EvalReport`, video;
+    `answer_blanked()`: the `answer_blanked_report`, fine-detail), each failure logged."""
     report = one_frame() if one_frame is not None else None
     if report is not None:
         log(f"   dense, one frame: accuracy {100 * report.accuracy:.1f}% on {len(report.samples)} questions")
+    blanked = answer_blanked() if answer_blanked is not None else None
+    if blanked is not None:
+        log(f"   dense, answer tokens blanked: accuracy {100 * blanked.accuracy:.1f}% on {len(blanked.samples)} questions")
     checks = set_checks(rows, train, val, temporal, report.accuracy_by_type if report else None,
-                        len(report.samples) if report else 0, verdict)
+                        len(report.samples) if report else 0, verdict,
+                        answer_blanked=blanked.accuracy_by_type if blanked else None,
+                        answer_blanked_samples=len(blanked.samples) if blanked else 0)
     for line in failures(checks):
         log(line)
     return checks
 
 
 __all__ = ["AT", "DENSE_OVERALL", "DENSE_TYPE_FLOOR", "MARGIN", "RANDOM_LOSS", "TRAINING_FREE", "TRAINING_FREE_LOSS",
-           "OneFrameDataset", "blind_ceiling", "chance", "check_recipe_sets", "failures", "format_set_checks",
+           "OneFrameDataset", "answer_blanked_report", "blanking_answers", "blind_ceiling", "chance", "check_recipe_sets", "failures", "format_set_checks",
            "loss_at", "one_frame_report", "set_checks"]

@@ -144,6 +144,13 @@ def build(
     size = {"shortest_edge": image_size}
     crop = {"height": image_size, "width": image_size}
     common = dict(image_token_index=image_id, projector_hidden_act="gelu")
+    if vision_feature_layer is not None and not -(vision_layers + 1) <= vision_feature_layer <= vision_layers:
+        raise ValueError(f"vision_feature_layer indexes the tower's {vision_layers + 1} hidden states (0: the patch "
+                         f"embeddings), from {-(vision_layers + 1)} to {vision_layers}; got {vision_feature_layer}")
+    if vision_feature_layer is not None and vision_feature_layer >= 0:
+        # The same hidden state by its negative index: transformers 5 asks the tower for its hidden
+        # states only when the index is truthy, so layer 0 would leave them None and fail.
+        vision_feature_layer -= vision_layers + 1
     clip_layer = -2 if vision_feature_layer is None else vision_feature_layer
     if family in ("llava", "llava_mistral"):
         config = tf.LlavaConfig(

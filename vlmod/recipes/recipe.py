@@ -50,7 +50,12 @@ from vlmod.data.synthetic_video import TEMPORAL_TYPES
 from vlmod.errors import InputError
 from vlmod.evaluation import frontier
 from vlmod.evaluation.evaluate import evaluate
-from vlmod.evaluation.set_checks import check_recipe_sets, format_set_checks, one_frame_report
+from vlmod.evaluation.set_checks import (
+    answer_blanked_report,
+    check_recipe_sets,
+    format_set_checks,
+    one_frame_report,
+)
 from vlmod.io.files import save_pretrained_atomic, write_json, write_text
 from vlmod.io.hf import load_pretrained, max_positions
 from vlmod.models import tiny
@@ -431,9 +436,11 @@ class _Recipe(PointEvaluations):
         s, video = self.s, self.video
         one_frame = (lambda: one_frame_report(self.dense_model, self.processor, self.val_json, s.frames,
                                               s.baseline_samples, s.eval_batch_size, self.progress)) if video else None
+        blanked = (lambda: answer_blanked_report(self.dense_model, self.processor, self.val_json, s.baseline_samples,
+                                                 s.eval_batch_size, self.progress)) if s.task == "detail" else None
         self.result.set_checks = self.stages.run("set checks", lambda: check_recipe_sets(
             self.result.rows, self.train_json, self.val_json, TEMPORAL_TYPES if video else (), one_frame,
-            frontier.rows_evidence(self.result.rows).enough, self.log))
+            frontier.rows_evidence(self.result.rows).enough, self.log, blanked))
         write_json(self.out / "results.json", self.result.to_dict(), strict=True)  # no NaN: strict parsers read it
         table = format_results(self.result)
         write_text(self.out / "results.md", table + "\n")
