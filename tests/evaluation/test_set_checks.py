@@ -160,10 +160,10 @@ def test_the_one_frame_evaluation_shows_the_model_the_middle_frame_in_every_posi
 
 def test_answer_blanking_replaces_each_pictures_answer_tokens_by_the_mean_of_its_others(tmp_path: Path) -> None:
     """Before: nothing asked whether a fine-detail answer rests on its own tokens, and on the glyph
-    set the dense model still answered 83.5% with them dropped (its tower spreads each glyph over
-    every token), so no choice of tokens could discriminate. Now the answer's projected tokens are
-    replaced by the mean of the picture's others (same tokens, no answer there), every other token
-    untouched, and the check fails a type the model still answers."""
+    set the dense model still answered 82.2% with them blanked, as dense (its tower spreads each
+    glyph over every token), so no choice of tokens could discriminate. Now the answer's projected
+    tokens are replaced by the mean of the picture's others (same tokens, no answer there), every
+    other token untouched, and the check fails a type the model still answers."""
     from vlmod.data.detail import generate_detail
 
     generate_detail(tmp_path, num_train=0, num_val=3, seed=1, scale=2, question_types=("digit",))

@@ -68,9 +68,9 @@ class Layout:
     """How a picture is filled. `glyphs` / `markers`: the clutter a validation picture draws (as
     many as find room); with `curriculum` the training pictures draw from none to the most, so some
     questions can be answered by finding any glyph before the model learns to pick the named one.
-    `spaced`: no item on the border row or column and no two items' cells touching, the digits of
-    a picture distinct; else items fill any free cell and digits repeat, as text does. `markers`
-    None: no markers at all (the glyph questions only)."""
+    `spaced`: no item on the border row or column and no two items' cells touching; else items
+    fill any free cell. `markers` None: glyphs only (the glyph questions), their digits repeating as
+    text does; else a picture's digits are distinct."""
 
     large: tuple[int, int]  # large shapes a picture
     glyphs: tuple[int, int]  # glyphs besides the one asked about
@@ -202,13 +202,11 @@ def _others(rng: np.random.Generator, pool: Sequence[Any], exclude: Any, n: int)
 
 
 def _plan_items(rng: np.random.Generator, qtype: str, answer: str, glyph_range: tuple[int, int],
-                marker_range: tuple[int, int] | None,
-                spaced: bool = True) -> tuple[list[dict[str, Any]], list[dict[str, Any]], str]:
+                marker_range: tuple[int, int] | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]], str]:
     """(the items the answer rests on, the clutter, the question): glyphs ({"digit", "color"}) and
     markers ({"color"}), as many clutter glyphs and markers as drawn from the two ranges (None: no
-    markers); `spaced`: the clutter's digits distinct, else they repeat. The question names its
-    item uniquely: the only glyph of its colour, the only glyph of its digit, the only small things
-    of its colour."""
+    markers, a page: `_plan_page`). The question names its item uniquely: the only glyph of its
+    colour, the only glyph of its digit, the only small things of its colour."""
     colors = list(COLORS)
     n_glyphs = int(rng.integers(glyph_range[0], glyph_range[1] + 1))
     if marker_range is None:  # a page: glyphs only, digits repeating
@@ -287,7 +285,7 @@ def detail_sample(rng: np.random.Generator, qtype: str, answer: str, size: int =
     if answer not in DETAIL_ANSWERS[qtype]:
         raise ValueError(f"{answer!r} is not an answer of {qtype!r} questions: {DETAIL_ANSWERS[qtype]}")
     colors, cell, lay = list(COLORS), patch * scale, LAYOUTS[layout]
-    targets, clutter, question = _plan_items(rng, qtype, answer, *lay.clutter(curriculum), spaced=lay.spaced)
+    targets, clutter, question = _plan_items(rng, qtype, answer, *lay.clutter(curriculum))
     while True:  # a scene whose large shapes leave no room for the answer is drawn again (same seed, same draws)
         large = []
         for _ in range(int(rng.integers(lay.large[0], lay.large[1] + 1))):

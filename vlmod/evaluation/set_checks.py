@@ -16,8 +16,9 @@ random routing loses nothing, cannot tell a good router from a lucky one. So the
 - answer tokens (fine-detail): the dense model with each picture's answer tokens blanked after
   the tower (`answer_blanked_report`) scores at most chance + 10 on every type: the answer rests
   on its own few tokens, so a method that drops them loses it. A tower that spreads each glyph
-  over every token fails it (the glyph set over 2 x 2 patches: 83.5% with the answer's 4 tokens
-  dropped, dense 82.2%; docs/data.md), and no choice of tokens could then discriminate;
+  over every token fails it (the glyph set over 2 x 2 patches: 82.2% with the answer's 4 tokens
+  blanked, as dense, on the first 400; docs/data.md), and no choice of tokens could then
+  discriminate;
 - dense: at least 85% on every type and 88-97% overall (room above and below);
 - discrimination: at 3x fewer language-model prefill FLOPs, random routing loses at least 10
   points against dense and the best training-free method (attention router, pre-LLM reduction,
