@@ -205,14 +205,15 @@ def _plan_items(rng: np.random.Generator, qtype: str, answer: str, glyph_range: 
                 marker_range: tuple[int, int] | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]], str]:
     """(the items the answer rests on, the clutter, the question): glyphs ({"digit", "color"}) and
     markers ({"color"}), as many clutter glyphs and markers as drawn from the two ranges (None: no
-    markers, a page: `_plan_page`). The question names its item uniquely: the only glyph of its
-    colour, the only glyph of its digit, the only small things of its colour."""
+    markers: a page, whose digits repeat as text does). The question names its item uniquely: the
+    only glyph of its colour, the only glyph of its digit, the only small things of its colour."""
     colors = list(COLORS)
     n_glyphs = int(rng.integers(glyph_range[0], glyph_range[1] + 1))
-    if marker_range is None:  # a page: glyphs only, digits repeating
-        return _plan_page(rng, qtype, answer, n_glyphs)
-    markers = [{"color": c} for c in _others(rng, colors, None, int(rng.integers(marker_range[0], marker_range[1] + 1)))]
+    markers = [] if marker_range is None else [  # None: a page, glyphs only
+        {"color": c} for c in _others(rng, colors, None, int(rng.integers(marker_range[0], marker_range[1] + 1)))]
     if qtype == "count_small":
+        if marker_range is None:
+            raise ValueError(f"a page asks the glyph types {', '.join(GLYPH_TYPES)}, not {qtype!r}")
         color = colors[int(rng.integers(len(colors)))]
         target = [{"color": color} for _ in range(DETAIL_ANSWERS[qtype].index(answer))]
         markers = [{"color": c} for c in _others(rng, colors, color, len(markers))]
@@ -225,30 +226,15 @@ def _plan_items(rng: np.random.Generator, qtype: str, answer: str, glyph_range: 
     else:
         digit, color = int(rng.integers(10)), answer
         clutter_colors = _others(rng, colors, None, n_glyphs)
-    digits = [int(d) for d in rng.permutation(10) if d != digit][:n_glyphs]  # the asked digit names one glyph
-    glyphs = [{"digit": d, "color": c} for d, c in zip(digits, clutter_colors, strict=True)]
-    question = DETAIL_QUESTIONS[qtype].format(color=color, digit=DIGITS[digit])
-    return [{"digit": digit, "color": color}], glyphs + markers, question
-
-
-def _plan_page(rng: np.random.Generator, qtype: str, answer: str,
-               n_glyphs: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]], str]:
-    """`_plan_items` for a page: n_glyphs clutter glyphs whose digits repeat (any digit for a
-    digit question, whose asked colour names the glyph; any but the asked one for small_color)."""
-    if qtype not in GLYPH_TYPES:
-        raise ValueError(f"a page asks the glyph types {', '.join(GLYPH_TYPES)}, not {qtype!r}")
-    colors = list(COLORS)
-    if qtype == "digit":
-        digit, color = DIGITS.index(answer), colors[int(rng.integers(len(colors)))]
-        clutter_colors = _others(rng, colors, color, n_glyphs)
+    if marker_range is not None:  # distinct digits but the asked one (it names one glyph)
+        digits = [int(d) for d in rng.permutation(10) if d != digit][:n_glyphs]
+    elif qtype == "digit":  # a page: digits repeat, the asked colour names the glyph
         digits = [int(d) for d in rng.integers(10, size=n_glyphs)]
-    else:
-        digit, color = int(rng.integers(10)), answer
-        clutter_colors = _others(rng, colors, None, n_glyphs)
+    else:  # a page: digits repeat, all but the asked one
         digits = _others(rng, list(range(10)), digit, n_glyphs)
     glyphs = [{"digit": d, "color": c} for d, c in zip(digits, clutter_colors, strict=True)]
     question = DETAIL_QUESTIONS[qtype].format(color=color, digit=DIGITS[digit])
-    return [{"digit": digit, "color": color}], glyphs, question
+    return [{"digit": digit, "color": color}], glyphs + markers, question
 
 
 def _draw_item(rng: np.random.Generator, img: np.ndarray, item: dict[str, Any], cell: tuple[int, int],
