@@ -84,12 +84,15 @@ class Layout:
 
 
 # scene: a few glyphs and markers spread over a picture of large shapes, each the most salient
-# thing around it. page: a picture filled with glyphs like a page of text (12-20 besides the asked
-# one, ~17 drawn at 2 x 2 patches: half the tokens), so a budget that does not read the question
-# cannot keep every glyph.
+# thing around it. page: a picture filled with glyphs like a page of text (10-14 besides the asked
+# one, ~13 drawn at 2 x 2 patches: 36% of the tokens), so a budget that does not read the question
+# cannot keep every glyph. Seed 0, dense stage from a tower of 2,000 steps (docs/data.md): 12-20
+# glyphs (~17) were not learned in 1,500 steps (18.6%); 6-10 (~9) were (100.0% after 3,000) but fit
+# the 42 tokens a 3x reduction keeps (-0.3); 10-14 were learned (90.0% after 2,500) and lost 15.7
+# points at 3x.
 LAYOUTS: dict[str, Layout] = {
     "scene": Layout(large=(4, 6), glyphs=(5, 8), markers=(1, 3), spaced=True),
-    "page": Layout(large=(1, 2), glyphs=(12, 20), markers=None, spaced=False),
+    "page": Layout(large=(1, 2), glyphs=(10, 14), markers=None, spaced=False),
 }
 GLYPH_TYPES = ("digit", "small_color")  # the types a layout without markers asks
 
@@ -145,7 +148,7 @@ def check_layout(layout: str, question_types: Sequence[str] = DETAIL_TYPES) -> N
         raise InputError(f"--layout takes one of {', '.join(LAYOUTS)}, got {layout!r}")
     if LAYOUTS[layout].markers is None and set(question_types) - set(GLYPH_TYPES):
         raise InputError(f"the {layout} layout draws no markers, so it asks the glyph types only: give --types "
-                         f"{','.join(GLYPH_TYPES)} (got {','.join(question_types)})")
+                         f"{','.join(GLYPH_TYPES)} or --layout scene (got {','.join(question_types)})")
 
 
 def box_patches(box: Sequence[float], image_size: int, patch_size: int) -> list[int]:
