@@ -165,13 +165,14 @@ class RecipeSettings:
             # 68.0%, first 82.7% (the first 300 questions; seed 0, docs/data.md). At that size a tower of
             # 600 steps read a quarter glyph's digit at 31.9%, of 2,000 at 90.0%; count_small's four
             # markers would cover 11% of the tokens. The whole recipe with the question after: 81.9 min
-            # on one thread (docs/results.md).
+            # on one thread (docs/results-history.md).
             base.update(glyph_scale=2, types=("digit", "small_color"), question_first=True, tower_steps=2000)
             # The page layout, 2,500 dense steps: on the scene the tiny tower spreads each glyph over every
             # token (its answer tokens replaced, the dense model still scored 82.2 of 82.2%), so no reduction
             # could lose (3x by deviation 83.0%). On the page (~13 glyphs) the dense model scored 90.0% after
             # 2,500 steps, 16.0% with the answer tokens replaced, 74.3% at 3x by deviation (seed 0, first
-            # 300 questions; docs/data.md).
+            # 300 questions, the 12-20 page's tower). The recipe so, each seed with its own tower: seed 1
+            # 99.7%, seed 0 25.8% (74.0% after 1,500 steps more): when the glyph is read is a draw (docs/data.md).
             base.update(layout="page", dense_steps=2500)
         if isoflop:
             # The check as docs/results.md reports it: MoD and dense from the same random tower.
