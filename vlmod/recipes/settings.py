@@ -172,7 +172,8 @@ class RecipeSettings:
             # could lose (3x by deviation 83.0%). On the page (~13 glyphs) the dense model scored 90.0% after
             # 2,500 steps, 16.0% with the answer tokens replaced, 74.3% at 3x by deviation (seed 0, first
             # 300 questions, the 12-20 page's tower). The recipe so, each seed with its own tower: seed 1
-            # 99.7%, seed 0 25.8% (74.0% after 1,500 steps more): when the glyph is read is a draw (docs/data.md).
+            # 99.7%, seeds 0 and 2 25.8% and 28.1% (seed 0 74.0% after 1,500 steps more): when the glyph is
+            # read is a draw (docs/data.md).
             base.update(layout="page", dense_steps=2500)
         if isoflop:
             # The check as docs/results.md reports it: MoD and dense from the same random tower.
