@@ -57,7 +57,7 @@ def apply_mod(model: nn.Module, config: MoDConfig, part: str | None = None) -> n
         )
     if not layers:
         raise ValueError(f"layers={config.layers!r} leaves no layer to convert in this {spec.name} part")
-    if config.router == "attention":
+    if "attention" in (config.router, config.aux_loss):
         check_attention_router(spec.adapter, [spec.blocks[i] for i in layers], spec.family)
     capacities = layer_capacities(config.capacity, layers, num_layers, config.capacity_schedule)
     part_obj = MoDPart(

@@ -40,7 +40,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 ROUTERS = ("learned", "random", "stride", "inverted", "attention")
 GATES = ("tanh", "sigmoid", "none")
 CAPACITY_SCHEDULES = (None, "cosine")
-AUX_LOSSES = (None, "bce")
+AUX_LOSSES = (None, "bce", "attention")
 LAYER_PRESETS = ("all", "every_other")
 
 
@@ -65,8 +65,12 @@ class MoDConfig:
         for a zero router, so a fresh conversion at capacity 1.0 is the original model.
     capacity_schedule: None (every layer gets `capacity`) or "cosine" (see
         `vlmod.routing.schedule.layer_capacities`).
-    aux_loss: None or "bce": binary cross-entropy of the router logit against top-k membership,
-        which makes `sigmoid(r) > 0.5` a causal routing decision (MoD paper, sec. 3.5).
+    aux_loss: None, "bce": binary cross-entropy of the router logit against top-k membership,
+        which makes `sigmoid(r) > 0.5` a causal routing decision (MoD paper, sec. 3.5); or
+        "attention": against the tokens the "attention" router would run at the layer, so a
+        learned router (which sees one token at a time, and learns from its gate alone) is taught
+        which tokens the text asks about, then routes without it (training only; needs a model
+        whose blocks the attention router supports).
     aux_loss_weight: weight of the aux loss when a LLaVA model adds it to its language-model loss.
     seed: seed of the "random" router, reset at each forward (None: torch's global generator).
     """

@@ -273,6 +273,49 @@ def test_attention_router_is_a_value_error_without_query_tokens():
         siglip(pixel_values=_pixels(32))
 
 
+def test_attention_aux_loss_teaches_the_learned_router_the_attention_routers_choice():
+    """aux_loss="attention": in training, each MoD layer's loss is the BCE of the learned router's
+    logits against the tokens the attention router would run there (the first MoD layer sees the
+    same input under either router, so its target is the attention router's own choice); the
+    learned router still routes, gets a gradient from the aux loss, and evaluation adds nothing."""
+    model, _ = _llava("llava", "sdpa")
+    inputs = _llava_inputs("llava")
+    labels = inputs["input_ids"].clone()
+    labels[:, :-3] = -100
+    mod = vlmod.apply_mod(copy.deepcopy(model), vlmod.MoDConfig(capacity=0.25, aux_loss="attention", aux_loss_weight=0.5))
+    _randomise_routers(mod)
+    first = min(i for _, i in vlmod.mod_layers(mod))
+    mod.train()
+    with vlmod.trace_routing(mod) as trace:
+        out = mod(**inputs, labels=labels)
+    part = next(iter(vlmod.routing.trace.find_parts(mod)))
+    assert sorted(part.aux_losses) == sorted(i for _, i in vlmod.mod_layers(mod))
+    scores, learned = trace.scores[("language", first)], trace.processed[("language", first)]
+    aux, aux_first = vlmod.router_aux_loss(mod), part.aux_losses[first]
+    with vlmod.use_router(mod, "attention"), vlmod.trace_routing(mod) as teacher, torch.no_grad():
+        mod(**inputs, labels=labels)  # the same queries: response tokens are not among them
+    target = teacher.processed[("language", first)]
+    assert not torch.equal(target, learned)  # the layer routed by the learned router, not the teacher
+    routable = trace.token_types == int(TokenType.IMAGE)
+    bce = torch.nn.functional.binary_cross_entropy_with_logits(scores, target.float(), reduction="none")
+    torch.testing.assert_close(aux_first, bce[routable].mean())
+    lm_loss = torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+    assert out.loss.item() == pytest.approx(lm_loss.item() + 0.5 * aux.item(), rel=1e-5)
+    aux.backward()
+    assert mod.model.language_model.mod_router.weight.grad.abs().sum() > 0
+    mod.eval()
+    with torch.no_grad():
+        plain = mod(**inputs, labels=labels)
+    assert vlmod.router_aux_loss(mod) is None  # no target in evaluation, and the training one is gone
+    lm_loss = torch.nn.functional.cross_entropy(plain.logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+    assert plain.loss.item() == pytest.approx(lm_loss.item(), rel=1e-5)
+
+
+def test_attention_aux_loss_needs_a_model_the_attention_router_scores():
+    with pytest.raises(ValueError, match="prefix"):
+        vlmod.apply_mod(copy.deepcopy(_hf_vit("siglip")), vlmod.MoDConfig(aux_loss="attention"))
+
+
 # ---------------------------------------------------------------------------- set_router / use_router
 
 

@@ -344,6 +344,21 @@ def test_gradient_checkpointing_and_a_capacity_schedule_train(workdir: Path, tmp
     assert loaded.config.vlmod["language"]["aux_loss"] == "bce"
 
 
+def test_the_attention_aux_loss_trains_the_router(workdir: Path, tmp_path: Path) -> None:
+    """aux_loss "attention" in `mod:` reaches the layers, is saved with the model, and moves the
+    router otherwise than its gate alone does."""
+    mod = {"capacity": 0.5, "layers": [1, 2], "routable": ["image"]}
+    runs = {}
+    for aux in (None, "attention"):
+        kw = {"aux_loss": aux, "aux_loss_weight": 1.0} if aux else {}
+        out = train(_cfg(workdir, tmp_path / str(aux), mod={**mod, **kw}, trainable="router", lr=1e-2, max_steps=2),
+                    progress=False)
+        runs[aux] = vlmod.load_pretrained(out.model_dir)
+    assert runs["attention"].config.vlmod["language"]["aux_loss"] == "attention"
+    gate_only, taught = (runs[k].model.language_model.mod_router.weight for k in (None, "attention"))
+    assert not torch.allclose(gate_only, taught)
+
+
 def _float16_copy(workdir: Path, out: Path) -> Path:
     """The tiny dense model saved in float16, as llava-hf's checkpoints are."""
     from transformers import AutoProcessor

@@ -85,12 +85,15 @@ class MoDPart:
 
     @property
     def recording(self) -> bool:
-        """Whether forwards keep anything (a trace, or the BCE aux loss)."""
-        return self.trace is not None or self.config.aux_loss == "bce"
+        """Whether forwards keep anything (a trace, or an aux loss)."""
+        return self.trace is not None or self.config.aux_loss is not None
 
-    def record(self, layer_idx: int, sel: Selection, scores: Tensor, layout: TokenLayout) -> None:
+    def record(
+        self, layer_idx: int, sel: Selection, scores: Tensor, layout: TokenLayout, target: Tensor | None = None
+    ) -> None:
         """Keep the aux loss and the trace of this layer's forward (by layer, so a checkpoint rerun
-        overwrites rather than adds)."""
+        overwrites rather than adds). `target` [B, L] bool: the attention aux loss's top-k (None
+        where this forward has none to learn from: evaluation, decode steps, capacity 1.0)."""
         if not self.recording:
             return
         if sel.index is None:
@@ -98,9 +101,13 @@ class MoDPart:
         else:
             processed = sel.processed_mask()
         if self.config.aux_loss == "bce":
+            target = processed
+        if target is not None:
             weight = layout.routable.float()
-            bce = F.binary_cross_entropy_with_logits(scores.float(), processed.float(), reduction="none")
+            bce = F.binary_cross_entropy_with_logits(scores.float(), target.float(), reduction="none")
             self.aux_losses[layer_idx] = (bce * weight).sum() / weight.sum().clamp_min(1.0)
+        elif self.config.aux_loss is not None:
+            self.aux_losses.pop(layer_idx, None)  # never add an earlier forward's loss to this one
         if self.trace is not None:
             self.trace.record(self.name, layer_idx, processed, scores.detach(), layout.token_types)
 
@@ -130,11 +137,11 @@ class LayerRouting:
                 part.record(self.layer_idx, sel, logits.squeeze(-1), layout)  # logits [B, 1, 1]
             return adapter.output(out, args, kwargs)
         router = part.router_for(self.layer_idx)
-        # Training without the BCE aux loss: only the gated (selected) tokens' logits get a
-        # gradient, so the ranking logits of every token are computed without one and the gate's
-        # are recomputed on the selected tokens: the backward then never touches the skipped
-        # tokens, and the layer's full-length input is not kept for the router's weight gradient.
-        ranked_only = torch.is_grad_enabled() and cfg.aux_loss != "bce"
+        # Training without an aux loss: only the gated (selected) tokens' logits get a gradient,
+        # so the ranking logits of every token are computed without one and the gate's are
+        # recomputed on the selected tokens: the backward then never touches the skipped tokens,
+        # and the layer's full-length input is not kept for the router's weight gradient.
+        ranked_only = torch.is_grad_enabled() and cfg.aux_loss is None
         if ranked_only:
             with torch.no_grad():
                 logits = router.logits(x)  # [B, L, 1]
@@ -153,8 +160,20 @@ class LayerRouting:
         if sel.valid is not None:
             new = torch.where(sel.valid.unsqueeze(-1), new, x_sel)
         out = sel.scatter(x, new)
-        part.record(self.layer_idx, sel, scores, layout)
+        part.record(self.layer_idx, sel, scores, layout, self.attention_target(x, layout, args, kwargs))
         return adapter.output(out, args, kwargs)
+
+    def attention_target(self, x: Tensor, layout: TokenLayout, args: tuple, kwargs: dict) -> Tensor | None:
+        """The attention aux loss's target when training a learned router: [B, L] bool, the tokens
+        the training-free attention router would run at this layer's capacity (query-aware where
+        the router alone learns only through its gate); None where there is nothing to learn."""
+        cfg = self.part.config
+        if cfg.aux_loss != "attention" or cfg.router != "learned" or not torch.is_grad_enabled():
+            return None
+        if self.capacity >= 1.0 or layout.budget(self.capacity).full:
+            return None
+        keys = attention_keys(self.part.adapter, self.part.blocks[self.layer_idx], x, layout, args, kwargs)
+        return select_tokens(keys, layout, self.capacity).processed_mask()
 
     def keys(self, x: Tensor, scores: Tensor, layout: TokenLayout, args: tuple, kwargs: dict) -> Tensor:
         """What top-k ranks at this layer under the part's current router kind."""

@@ -27,6 +27,7 @@ from vlmod.data import DataError, LlavaDataset
 from vlmod.errors import TrainError
 from vlmod.io.adapters import peft_quietly
 from vlmod.io.hf import max_positions
+from vlmod.routing.attention import check_attention_router
 from vlmod.routing.trace import find_parts
 from vlmod.training import memory
 from vlmod.training.checkpoints import check_output_dir_owner, resolve_resume
@@ -102,6 +103,11 @@ def load_model(cfg: TrainConfig, dtype: torch.dtype = torch.float32) -> tuple[nn
             changes = {"aux_loss": cfg.aux_loss or part.config.aux_loss}
             if cfg.aux_loss_weight is not None:
                 changes["aux_loss_weight"] = cfg.aux_loss_weight
+            if changes["aux_loss"] == "attention":
+                try:
+                    check_attention_router(part.adapter, [part.blocks[i] for i in part.capacities], part.family)
+                except ValueError as e:
+                    raise TrainError(f"aux_loss attention: {e}") from None
             part.config = dataclasses.replace(part.config, **changes)
     if cfg.trainable == "router" and not parts:
         raise TrainError("trainable: router, but the model has no MoD routers; add `mod:` or convert it first")
