@@ -85,8 +85,8 @@ class MoDPart:
 
     @property
     def recording(self) -> bool:
-        """Whether forwards keep anything (a trace, or an aux loss)."""
-        return self.trace is not None or self.config.aux_loss is not None
+        """Whether every forward keeps something (a trace, or the BCE aux loss)."""
+        return self.trace is not None or self.config.aux_loss == "bce"
 
     def record(
         self, layer_idx: int, sel: Selection, scores: Tensor, layout: TokenLayout, target: Tensor | None = None
@@ -94,20 +94,22 @@ class MoDPart:
         """Keep the aux loss and the trace of this layer's forward (by layer, so a checkpoint rerun
         overwrites rather than adds). `target` [B, L] bool: the attention aux loss's top-k (None
         where this forward has none to learn from: evaluation, decode steps, capacity 1.0)."""
-        if not self.recording:
+        if self.config.aux_loss == "attention" and target is None:
+            self.aux_losses.pop(layer_idx, None)  # never add an earlier forward's loss to this one
+        if not self.recording and target is None:
             return
-        if sel.index is None:
-            processed = torch.ones(layout.shape, dtype=torch.bool, device=scores.device)
-        else:
-            processed = sel.processed_mask()
+        processed = None
+        if self.recording:
+            if sel.index is None:
+                processed = torch.ones(layout.shape, dtype=torch.bool, device=scores.device)
+            else:
+                processed = sel.processed_mask()
         if self.config.aux_loss == "bce":
             target = processed
         if target is not None:
             weight = layout.routable.float()
             bce = F.binary_cross_entropy_with_logits(scores.float(), target.float(), reduction="none")
             self.aux_losses[layer_idx] = (bce * weight).sum() / weight.sum().clamp_min(1.0)
-        elif self.config.aux_loss is not None:
-            self.aux_losses.pop(layer_idx, None)  # never add an earlier forward's loss to this one
         if self.trace is not None:
             self.trace.record(self.name, layer_idx, processed, scores.detach(), layout.token_types)
 
