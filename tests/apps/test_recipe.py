@@ -177,7 +177,10 @@ def test_the_quick_detail_recipe_runs_every_method_at_every_point(tmp_path: Path
     from vlmod.data.detail import DETAIL_TYPES, MAX_ANSWER_SHARE, answer_share
 
     out = tmp_path / "detail"
-    assert main(["recipe", "--task", "detail", "--quick", "--out", str(out), "--no-progress"]) == 0
+    assert main(["recipe", "--task", "detail", "--quick", "--router-aux", "0.1", "--out", str(out), "--no-progress"]) == 0
+    for run in ("mod", "stack"):  # both MoD stages teach the router the attention router's choice
+        config = json.loads((out / run / "train_log.json").read_text())["config"]
+        assert (config["aux_loss"], config["aux_loss_weight"]) == ("attention", 0.1)
     saved = json.loads((out / "results.json").read_text())
     rows = saved["results"]
     for target in saved["settings"]["targets"]:
@@ -395,6 +398,8 @@ def test_recipe_settings_refuse_bad_values(tmp_path: Path, capsys: pytest.Captur
         RecipeSettings.for_task("image", targets=(0.5,))
     with pytest.raises(InputError, match="train_up_to is an LM FLOPs reduction > 1, got 0.9"):
         RecipeSettings.for_task("video", train_up_to=0.9)
+    with pytest.raises(InputError, match="router_aux is the weight of the attention aux loss, >= 0"):
+        RecipeSettings.for_task("detail", router_aux=-0.1)
     assert main(["recipe", "--quick", "--out", str(tmp_path / "run"), "--stack-share", "1.5"]) == 2
     assert "stack_share is the pre-LLM reduction's share of a stacked point, in (0, 1), got 1.5" in capsys.readouterr().err
     for shares, message in [(["8=1.2"], "in (0, 1), got {1.5: 0.5"), (["0.5", "0.6"], "one bare SHARE"),

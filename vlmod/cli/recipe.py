@@ -38,6 +38,8 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("mod_steps", positive_int, "steps of MoD fine-tuning"),
     ("mod_lr", finite_float, "learning rate of MoD fine-tuning"),
     ("router_lr", finite_float, "learning rate of the routers"),
+    ("router_aux", non_negative_float, "weight of the aux loss that teaches the learned router, in the MoD stages, the "
+                                       "tokens the attention router would run (0: none)"),
     ("capacity_warmup", non_negative_float, "share of the MoD fine-tune over which capacity falls from 1.0 to "
                                             "each step's draw (or a step count if >= 1)"),
     ("mod_layers", str, "converted language layers: 'all' (every layer but 0) or 'arank:N'"),

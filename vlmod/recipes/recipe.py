@@ -396,9 +396,10 @@ class _Recipe(PointEvaluations):
         # The MoD stage's training; the control repeats it on the unconverted dense model.
         mod_stage = {"trainable": "language", "lr": s.mod_lr, "max_steps": s.mod_steps,
                      "distill_from": str(self.dense) if s.distill else None}
+        aux = {"aux_loss": "attention", "aux_loss_weight": s.router_aux} if s.router_aux else {}
         self.mod = stages.run("train MoD", lambda: self.finetune(
             self.converted, "mod", router_lr=s.router_lr, capacities=trained_capacities(result.points, s.train_up_to),
-            capacity_warmup=s.capacity_warmup, **mod_stage,
+            capacity_warmup=s.capacity_warmup, **mod_stage, **aux,
         ))
         # The far points the MoD stage did not train at (`stack_train_from`: from there on); trained
         # on video's, the stacked model still matched or beat the MoD model stacked at 1.5x and 3x.
@@ -410,7 +411,7 @@ class _Recipe(PointEvaluations):
             self.stack = stages.run("train stacked", lambda: self.finetune(
                 self.mod, "stack", trainable="language", lr=s.stack_lr, max_steps=s.stack_steps, router_lr=s.router_lr,
                 capacities=[cap for _, cap in draws], reduce_keep=[keep for keep, _ in draws],
-                reduce_scoring=s.stack_scoring, distill_from=mod_stage["distill_from"],
+                reduce_scoring=s.stack_scoring, distill_from=mod_stage["distill_from"], **aux,
             ))
         if s.dense_control:
             control = stages.run(CONTROL_STAGES[0], lambda: self.finetune(self.dense, "dense-control", **mod_stage))
