@@ -160,7 +160,7 @@ def set_router(model: nn.Module, kind: str, part: str | None = None) -> nn.Modul
     parts = _parts_named(model, part)
     if kind == "attention":
         for p in parts:
-            check_attention_router(p.adapter, [p.blocks[i] for i in sorted(p.capacities)], p.family)
+            p.check_attention_router()
     for p in parts:
         # A new config object: the caller's MoDConfig (maybe shared with other models) is untouched.
         p.config = dataclasses.replace(p.config, router=kind)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from vlmod.config import MoDConfig
-from vlmod.routing.attention import attention_keys
+from vlmod.routing.attention import attention_keys, check_attention_router
 from vlmod.routing.router import Router, gated_decode_step, gated_residual, selection_keys
 from vlmod.routing.selection import Selection, TokenLayout, select_tokens
 
@@ -78,6 +78,10 @@ class MoDPart:
         if self.generator is None or self.generator.device != device:
             self.generator = torch.Generator(device=device)
         return self.generator.manual_seed(self.config.seed * 1_000_003 + layer_idx)
+
+    def check_attention_router(self) -> None:
+        """ValueError (saying why) unless the attention router can score this part's MoD layers."""
+        check_attention_router(self.adapter, [self.blocks[i] for i in sorted(self.capacities)], self.family)
 
     def router_for(self, layer_idx: int) -> Router:
         owner = self.root if self.config.share_router else self.blocks[layer_idx]
@@ -172,10 +176,14 @@ class LayerRouting:
         cfg = self.part.config
         if cfg.aux_loss != "attention" or cfg.router != "learned" or not torch.is_grad_enabled():
             return None
-        if self.capacity >= 1.0 or layout.budget(self.capacity).full:
+        if self.every_routable_runs(layout):
             return None
         keys = attention_keys(self.part.adapter, self.part.blocks[self.layer_idx], x, layout, args, kwargs)
         return select_tokens(keys, layout, self.capacity).processed_mask()
+
+    def every_routable_runs(self, layout: TokenLayout) -> bool:
+        """Whether this layer's capacity runs every routable token of the batch (nothing to rank)."""
+        return self.capacity >= 1.0 or layout.budget(self.capacity).full
 
     def keys(self, x: Tensor, scores: Tensor, layout: TokenLayout, args: tuple, kwargs: dict) -> Tensor:
         """What top-k ranks at this layer under the part's current router kind."""
@@ -184,8 +192,8 @@ class LayerRouting:
             if layout.threshold:
                 # A decode token receives attention from no later token yet: it always runs.
                 return torch.ones_like(scores)
-            if self.capacity >= 1.0 or layout.budget(self.capacity).full:
-                return scores  # every routable token runs: nothing to rank
+            if self.every_routable_runs(layout):
+                return scores  # nothing to rank
             return attention_keys(part.adapter, part.blocks[self.layer_idx], x, layout, args, kwargs)
         generator = part.random_generator(self.layer_idx, x.device) if kind == "random" else None
         return selection_keys(kind, scores, layout, self.capacity, generator)

@@ -27,7 +27,6 @@ from vlmod.data import DataError, LlavaDataset
 from vlmod.errors import TrainError
 from vlmod.io.adapters import peft_quietly
 from vlmod.io.hf import max_positions
-from vlmod.routing.attention import check_attention_router
 from vlmod.routing.trace import find_parts
 from vlmod.training import memory
 from vlmod.training.checkpoints import check_output_dir_owner, resolve_resume
@@ -105,7 +104,7 @@ def load_model(cfg: TrainConfig, dtype: torch.dtype = torch.float32) -> tuple[nn
                 changes["aux_loss_weight"] = cfg.aux_loss_weight
             if changes["aux_loss"] == "attention":
                 try:
-                    check_attention_router(part.adapter, [part.blocks[i] for i in part.capacities], part.family)
+                    part.check_attention_router()
                 except ValueError as e:
                     raise TrainError(f"aux_loss attention: {e}") from None
             part.config = dataclasses.replace(part.config, **changes)
