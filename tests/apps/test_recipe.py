@@ -169,24 +169,39 @@ def test_the_quick_recipes_reach_5x_and_8x_or_say_they_cannot(image_run: tuple, 
     assert stack5["gflops"]["vision"] < alone["gflops"]["vision"] == pytest.approx(stack5["gflops"]["vision"], rel=0.01)
 
 
-def test_the_quick_detail_recipe_runs_every_method_at_every_point(tmp_path: Path) -> None:
+@pytest.mark.parametrize("router", ["attention", "learned"])
+def test_the_quick_detail_recipe_runs_every_method_at_every_point(router: str, tmp_path: Path) -> None:
     """`vlmod recipe --task detail --quick`: the image task's stages on the fine-detail set (96 px,
     8 px patches: 144 vision tokens an image), every method at every point or out of reach, the
-    tower pretrained on each patch's digit too, the recipe's detail types scored."""
+    tower pretrained on each patch's digit too, the recipe's detail types scored. Its MoD stages
+    train the attention router (the default) or the learned one, taught the attention router's
+    choice (`--router-aux`)."""
     from vlmod.cli import main
     from vlmod.data.detail import DETAIL_TYPES, MAX_ANSWER_SHARE, answer_share
 
     out = tmp_path / "detail"
-    assert main(["recipe", "--task", "detail", "--quick", "--router-aux", "0.1", "--out", str(out), "--no-progress"]) == 0
-    for run in ("mod", "stack"):  # both MoD stages teach the router the attention router's choice
+    flags = [] if router == "attention" else ["--mod-router", "learned", "--router-aux", "0.1"]
+    assert main(["recipe", "--task", "detail", "--quick", *flags, "--out", str(out), "--no-progress"]) == 0
+    for model in ("converted", "mod/model", "stack/model"):
+        assert json.loads((out / model / "config.json").read_text())["vlmod"]["language"]["router"] == router
+    for run in ("mod", "stack"):  # both MoD stages teach the learned router the attention router's choice
         config = json.loads((out / run / "train_log.json").read_text())["config"]
-        assert (config["aux_loss"], config["aux_loss_weight"]) == ("attention", 0.1)
+        aux = ("attention", 0.1) if router == "learned" else (None, None)
+        assert (config["aux_loss"], config["aux_loss_weight"]) == aux
     saved = json.loads((out / "results.json").read_text())
     rows = saved["results"]
+    ours = {"mod-attention", "stacked-attention"} if router == "attention" else {"learned", "stacked"}
     for target in saved["settings"]["targets"]:
         evaluated = {r["method"] for r in rows if r["target"] == target}
         missing = {u["method"] for u in saved["out_of_reach"] if u["target"] == target}
-        assert evaluated | missing >= METHODS["image"]
+        assert evaluated | missing >= METHODS["image"] - {"learned", "stacked"} | ours
+        assert not evaluated & ({"learned", "stacked", "mod-attention", "stacked-attention"} - ours)
+    if router == "attention":  # its scoring counts: ours lands on each point as the attention baseline does
+        for r in rows:
+            if r["method"] == "mod-attention":
+                assert r["target"] * (1 - REACH_TOLERANCE) <= r["language_reduction"] <= r["target"] * 1.1
+                base = next(b for b in rows if b["method"] == "attention" and b["target"] == r["target"])
+                assert r["setting"] == base["setting"]  # the same capacity: the same prompts' counts here
     dense = next(r for r in rows if r["method"] == "dense")
     assert set(dense["accuracy_by_type"]) == set(saved["settings"]["types"]) < set(DETAIL_TYPES)
     records = json.loads((out / "data" / "val.json").read_text())

@@ -622,6 +622,39 @@ def test_the_recipe_solves_every_point_or_says_it_is_out_of_reach() -> None:
     assert all(a["stack_keep"] < b["stack_keep"] for a, b in zip(points, even, strict=True))
 
 
+def test_attention_routed_points_count_the_routers_scoring() -> None:
+    """`mod_router` attention: ours (MoD alone and stacked) solve their capacities with the
+    attention router's scoring counted (on the tokens each layer sees), so they land on the point
+    at lower capacities than a learned router's; the random and stride rows keep the learned one's."""
+    from vlmod.evaluation.frontier import attention_scoring_flops
+    from vlmod.recipes.points import solve_points
+    from vlmod.recipes.settings import RecipeSettings
+
+    dims = DecoderDims(dim=128, layers=8, heads=8, kv_heads=2, head_dim=16, mlp_hidden=256, vocab=200)
+    counts, layers = TokenCounts(text=10.0, vision=144), list(range(1, 8))
+    scoring = attention_scoring_flops(dims, counts)
+    dense = language_prefill_flops(dims, counts.total)
+    learned, _ = solve_points(dims, counts, RecipeSettings.for_task("detail", mod_router="learned"), layers, scoring)
+    attention, reach = solve_points(dims, counts, RecipeSettings.for_task("detail"), layers, scoring)
+    assert "learned" not in reach and reach["mod-attention"] == reach["attention"] < reach["random"]
+    assert reach["stacked-attention"] < max_reduction(dims, counts, "stacked", layers)
+    for a, b in zip(attention, learned, strict=True):
+        assert b["mod_capacity"] == b["capacity"] and a["capacity"] == b["capacity"]
+        if a["mod_capacity"] is not None:
+            assert a["mod_capacity"] == a["attention_capacity"] < a["capacity"]
+            flops = mod_language_flops(dims, counts, a["mod_capacity"], layers, None, scoring)
+            assert a["target"] <= dense / flops == a["predicted"]["mod-attention"]
+        if a["stack_keep"] is not None:
+            flops = stacked_language_flops(dims, counts, a["stack_keep"], a["stack_capacity"], layers, None, True)
+            scored = mod_language_flops(dims, TokenCounts(10.0, math.ceil(a["stack_keep"] * 144 - 1e-9)),
+                                        a["stack_capacity"], layers, None,
+                                        attention_scoring_flops(dims, counts, a["stack_keep"]))
+            assert flops == pytest.approx(scored) and a["target"] * (1 - REACH_TOLERANCE) <= dense / flops
+            assert a["stack_capacity"] < b["stack_capacity"] or a["stack_keep"] < b["stack_keep"]
+        else:
+            assert "stacked-attention" in a["out_of_reach"]
+
+
 def test_the_stacked_stage_trains_at_its_own_split() -> None:
     """`stack_train_share`: the stacked stage's draws are solved at that split (video: 5x at 0.5,
     8x as it runs, 0.85), the points still run at `stack_share`; None: the points' own."""

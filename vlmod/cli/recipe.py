@@ -13,7 +13,13 @@ from vlmod.cli.argtypes import finite_float, int_at_least, non_negative_float, p
 from vlmod.cli.common import EXIT_INTERRUPTED, SubParsers
 from vlmod.data.detail import DETAIL_TYPES, LAYOUTS
 from vlmod.errors import InputError
-from vlmod.recipes.settings import DEFAULT_STACK_SHARE, ISOFLOP_DENSE_STEPS, TASKS, RecipeSettings
+from vlmod.recipes.settings import (
+    DEFAULT_STACK_SHARE,
+    ISOFLOP_DENSE_STEPS,
+    MOD_ROUTERS,
+    TASKS,
+    RecipeSettings,
+)
 
 _FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("num_train", positive_int, "training images (image task) or clips (video task)"),
@@ -187,6 +193,11 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     parser.add_argument("--layout", choices=tuple(LAYOUTS), default=None,
                         help="detail task: scene (a few glyphs among large shapes) or page (glyphs filling the "
                              f"picture like text) (default: {detail.layout})")
+    parser.add_argument("--mod-router", choices=MOD_ROUTERS, default=None,
+                        help="the router the MoD and stacked stages train and run with: learned (the shared linear "
+                             "router) or attention (each layer ranks by the attention text pays; no parameters, its "
+                             f"scoring counted in the FLOPs) (default: image {image.mod_router}, video "
+                             f"{vid.mod_router}, detail {detail.mod_router})")
     parser.add_argument("--routers", nargs="*", default=None,
                         help=f"baselines at every point (default: {' '.join(image.routers)})")
     parser.add_argument("--image-model", default=None, metavar="DIR",
@@ -248,6 +259,8 @@ def run_recipe_command(args: argparse.Namespace) -> int:
         overrides["types"] = args.types
     if args.layout is not None:
         overrides["layout"] = args.layout
+    if args.mod_router is not None:
+        overrides["mod_router"] = args.mod_router
     if args.routers is not None:
         bad = [r for r in args.routers if r not in ROUTERS or r in ("learned", "inverted")]
         if bad:

@@ -31,11 +31,12 @@ from typing import Any
 
 from vlmod.evaluation.evidence import Evidence, chance_accuracy, verdict_evidence
 from vlmod.routing.schedule import capacity_to_k, layer_capacities
-from vlmod.tools.flops import DecoderDims, language_prefill_flops
+from vlmod.tools.flops import DecoderDims, attention_router_flops, language_prefill_flops
 
 METHOD_LABELS = {
     "dense": "dense",
     "learned": "MoD, learned router (fine-tuned)",
+    "mod-attention": "MoD, attention router (fine-tuned)",
     "random": "MoD weights, random router",
     "stride": "MoD weights, stride router",
     "attention": "dense weights, attention router (training-free, FastV-like)",
@@ -44,10 +45,13 @@ METHOD_LABELS = {
     "reduce-deviation": "pre-LLM reduction, features' deviation from their frame (training-free)",
     "reduce-novelty": "pre-LLM reduction, features' novelty since the last frame (training-free)",
     "frames": "frame subsampling (dense)",
-    "learned+vision": "MoD learned + vision tower MoD (attention router)",
+    "learned+vision": "MoD + vision tower MoD (attention router)",
     "dense-control": "dense, fine-tuned again as the MoD stage (control)",
     "stacked": "MoD learned on pre-LLM reduction, stacked",
+    "stacked-attention": "MoD attention-routed on pre-LLM reduction, stacked",
 }
+# Ours by the router the MoD stages train with (`vlmod recipe --mod-router`): MoD alone, stacked.
+OURS_BY_ROUTER = {"learned": ("learned", "stacked"), "attention": ("mod-attention", "stacked-attention")}
 # A point is within a method's reach if its largest reduction is at least (1 - this) x the target.
 REACH_TOLERANCE = 0.03
 MIN_FRACTION = 1e-4  # the least capacity / kept fraction tried: one slot (k = ceil(c * n) >= 1)
@@ -122,46 +126,58 @@ def _kept(counts: TokenCounts, keep: float) -> TokenCounts:
     return TokenCounts(text=counts.text, vision=_routed(keep, counts.vision), frames=counts.frames)
 
 
+def attention_scoring_flops(dims: DecoderDims, counts: TokenCounts, keep: float = 1.0) -> float:
+    """The attention router's scoring FLOPs at one MoD layer (`attention_router_flops`), on the
+    tokens a pre-LLM reduction keeping `keep` of the vision tokens leaves."""
+    kept = _kept(counts, keep) if keep < 1.0 else counts
+    return attention_router_flops(dims, kept.total, counts.text)
+
+
 def stacked_language_flops(dims: DecoderDims, counts: TokenCounts, keep: float, capacity: float,
-                           layers: Sequence[int], schedule: str | None) -> float:
+                           layers: Sequence[int], schedule: str | None, attention: bool = False) -> float:
     """Language prefill FLOPs of MoD at mean `capacity` on what a pre-LLM reduction keeping `keep`
-    of the vision tokens leaves (the capacity is a share of the kept tokens)."""
-    return mod_language_flops(dims, _kept(counts, keep), capacity, layers, schedule)
+    of the vision tokens leaves (the capacity is a share of the kept tokens); `attention`: its
+    layers rank by the attention router, whose scoring on the kept tokens counts too."""
+    overhead = attention_scoring_flops(dims, counts, keep) if attention else 0.0
+    return mod_language_flops(dims, _kept(counts, keep), capacity, layers, schedule, overhead)
 
 
 def solve_stacked(dims: DecoderDims, counts: TokenCounts, reduction: float, layers: Sequence[int],
-                  schedule: str | None, share: float = 0.5) -> tuple[float, float] | None:
+                  schedule: str | None, share: float = 0.5, attention: bool = False) -> tuple[float, float] | None:
     """(kept fraction, MoD capacity on the kept tokens) of MoD stacked on pre-LLM reduction at
     dense / `reduction` LM FLOPs, or None out of reach. The reduction takes `share` of the
     reduction in log terms (keep for `reduction ** share`, so 0.5 splits it evenly), MoD the rest;
     where MoD cannot reach the rest on what that keeps (its floor: one token per MoD layer, and
     the dense layers on every kept token), the reduction keeps less: the most tokens at which MoD
-    at its floor still reaches the point."""
+    at its floor still reaches the point. `attention`: MoD ranks by the attention router, whose
+    scoring counts (`stacked_language_flops`)."""
     target = language_prefill_flops(dims, counts.total) / reduction
     keep = solve_keep(dims, counts, reduction ** share)
 
     def floor(k: float) -> float:
-        return stacked_language_flops(dims, counts, k, MIN_FRACTION, layers, schedule)
+        return stacked_language_flops(dims, counts, k, MIN_FRACTION, layers, schedule, attention)
 
     if floor(keep) > target:
         keep = _whole_slots(_bisect(floor, MIN_FRACTION, keep, target, at_most=True), counts.vision)
         if not reaches(target * reduction / floor(keep), reduction):
             return None
-    return keep, _capacity_for(dims, _kept(counts, keep), target, layers, schedule)
+    overhead = attention_scoring_flops(dims, counts, keep) if attention else 0.0
+    return keep, _capacity_for(dims, _kept(counts, keep), target, layers, schedule, overhead)
 
 
 def max_reduction(dims: DecoderDims, counts: TokenCounts, method: str, layers: Sequence[int] = (),
-                  schedule: str | None = None, overhead_per_layer: float = 0.0) -> float:
+                  schedule: str | None = None, overhead_per_layer: float = 0.0, attention: bool = False) -> float:
     """The largest LM prefill FLOPs reduction `method` can reach, at its knob's floor: MoD one
     token per converted layer ("mod", with `overhead_per_layer` for the attention router), pre-LLM
-    reduction one kept token ("reduce"), both ("stacked"), frame subsampling one frame ("frames")."""
+    reduction one kept token ("reduce"), both ("stacked", `attention`: its MoD layers attention-
+    routed), frame subsampling one frame ("frames")."""
     dense = language_prefill_flops(dims, counts.total)
     if method == "mod":
         return dense / mod_language_flops(dims, counts, MIN_FRACTION, layers, schedule, overhead_per_layer)
     if method == "reduce":
         return dense / reduce_language_flops(dims, counts, MIN_FRACTION)
     if method == "stacked":
-        return dense / stacked_language_flops(dims, counts, MIN_FRACTION, MIN_FRACTION, layers, schedule)
+        return dense / stacked_language_flops(dims, counts, MIN_FRACTION, MIN_FRACTION, layers, schedule, attention)
     if method == "frames":
         return dense / language_prefill_flops(dims, counts.text + counts.vision / counts.frames)
     raise ValueError(f"unknown method {method!r}: mod, reduce, stacked or frames")
@@ -319,14 +335,15 @@ def _pct(value: float | None) -> str:
 # The goals the recipes' verdicts judge: LM prefill FLOPs reduction -> the most points under dense
 # (issue 36: within a point at 3x and 5x, two at 8x).
 FRONTIER_GOALS: dict[float, float] = {3.0: 1.0, 5.0: 1.0, 8.0: 2.0}
-OURS = ("learned", "stacked")  # MoD alone and MoD stacked on pre-LLM reduction
+OURS = tuple(m for pair in OURS_BY_ROUTER.values() for m in pair)  # MoD alone and stacked, each router
+MOD_ALONE = tuple(alone for alone, _ in OURS_BY_ROUTER.values())
 
 
 def _ours_at(at: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
     """The more accurate of our rows at one point (MoD alone or stacked; both answer every
     question, so their accuracies compare as they are); MoD alone on a tie."""
     ours = [r for r in at if r["method"] in OURS]
-    return max(ours, key=lambda r: (r["accuracy"], r["method"] == "learned")) if ours else None
+    return max(ours, key=lambda r: (r["accuracy"], r["method"] in MOD_ALONE)) if ours else None
 
 
 def _goal_verdict(rows: Sequence[Mapping[str, Any]], reference: Mapping[str, Any], goal: float,
@@ -355,7 +372,7 @@ def _goal_verdict(rows: Sequence[Mapping[str, Any]], reference: Mapping[str, Any
 
 
 def _name(r: Mapping[str, Any]) -> str:
-    return "MoD" if r["method"] == "learned" else "MoD stacked on pre-LLM reduction"
+    return "MoD" if r["method"] in MOD_ALONE else "MoD stacked on pre-LLM reduction"
 
 
 def rows_evidence(rows: Sequence[Mapping[str, Any]]) -> Evidence:
@@ -388,7 +405,7 @@ def verdicts(rows: Sequence[Mapping[str, Any]], goals: Mapping[float, float] | N
         if mod is None:
             continue
         other = next((r for r in at if r["method"] in OURS and r is not mod), None)
-        name = _name(mod) + ("" if other or mod["method"] == "learned" else " (MoD alone out of reach)")
+        name = _name(mod) + ("" if other or mod["method"] in MOD_ALONE else " (MoD alone out of reach)")
         better = [r for r in at if r["method"] not in OURS and accuracy_on(r, mod) > accuracy_on(mod, r)]
         best = "best of all methods" if not better else "beaten by " + ", ".join(
             f"{r['method']} ({100 * r['accuracy']:.1f}%)" for r in better)
@@ -434,12 +451,12 @@ def plot_frontier(rows: Sequence[Mapping[str, Any]], path: str | Path, title: st
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), dpi=120, sharey=True)
     dense = next(r for r in rows if r["method"] == "dense")
-    markers = dict(zip(METHOD_LABELS, "*os^vDdpPXh<>", strict=True))
+    markers = dict(zip(METHOD_LABELS, "*oos^vDdpPXh<>>", strict=True))
     # One colour a method (matplotlib's cycle has ten, and two curves sharing one read as one);
     # grey and black stay with dense, its control and the dense - 1 line.
-    colours = dict(zip(METHOD_LABELS, ["black", "tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple",
-                                       "tab:brown", "tab:pink", "tab:olive", "tab:cyan", "navy", "gray",
-                                       "darkgoldenrod"], strict=True))
+    colours = dict(zip(METHOD_LABELS, ["black", "tab:blue", "royalblue", "tab:orange", "tab:green", "tab:red",
+                                       "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan", "navy", "gray",
+                                       "darkgoldenrod", "goldenrod"], strict=True))
     for ax, axis, xlabel in ((axes[0], "language", "language-model prefill GFLOPs per sample"),
                              (axes[1], "total", "total prefill GFLOPs per sample (tower + projector + LM)")):
         for method in METHOD_LABELS:
@@ -452,7 +469,7 @@ def plot_frontier(rows: Sequence[Mapping[str, Any]], path: str | Path, title: st
             if method == "learned+vision":
                 xs, ys = xs[:-1], ys[:-1]
             ax.plot(xs, ys, marker=markers[method], color=colours[method], label=label,
-                    linewidth=2.2 if method in ("learned", "stacked") else 1.2)
+                    linewidth=2.2 if method in OURS else 1.2)
         ax.plot([_x(dense, axis)], [100 * dense["accuracy"]], "k*", markersize=14, label="dense")
         for control in (r for r in rows if r["method"] == "dense-control"):
             ax.plot([_x(control, axis)], [100 * control["accuracy"]], "*", color="gray", markersize=12,
@@ -473,8 +490,8 @@ def plot_frontier(rows: Sequence[Mapping[str, Any]], path: str | Path, title: st
 
 
 __all__ = [
-    "FRONTIER_GOALS", "MIN_FRACTION", "METHOD_LABELS", "REACH_TOLERANCE", "TokenCounts", "accuracy_on", "curve_label",
-    "format_frontier",
+    "FRONTIER_GOALS", "MIN_FRACTION", "METHOD_LABELS", "MOD_ALONE", "OURS", "OURS_BY_ROUTER", "REACH_TOLERANCE",
+    "TokenCounts", "accuracy_on", "attention_scoring_flops", "curve_label", "format_frontier",
     "max_reduction",
     "mod_language_flops", "out_of_reach", "paired_gap", "plot_frontier", "reaches", "reduce_language_flops", "row", "solve_capacity",
     "rows_evidence", "solve_frames", "solve_keep", "solve_stacked", "stacked_language_flops", "verdicts",

@@ -19,7 +19,7 @@ from vlmod.api import apply_mod, set_capacity, set_router
 from vlmod.config import MoDConfig
 from vlmod.evaluation import frontier
 from vlmod.io.hf import load_pretrained
-from vlmod.recipes.points import reachable, reduction_methods
+from vlmod.recipes.points import ours, reachable, reduction_methods
 from vlmod.tools.reduction import PreLLMReduction, reduction_flops
 
 
@@ -34,6 +34,7 @@ class PointEvaluations:
     mod: Any  # the fine-tuned MoD model's folder
     stack: Any  # the stacked method's: the MoD model's, or the stage's that trained it on behind the reduction
     counts: Any
+    dims: Any  # the language model's `DecoderDims`
     projector_per_token: float
     scoring: float
     video: bool
@@ -60,12 +61,14 @@ class PointEvaluations:
         self.stack_model = mod_model if self.stack == self.mod else load_pretrained(self.stack).eval()
         attention_model = load_pretrained(self.converted).eval()
         set_router(attention_model, "attention")
+        alone = ours(s.mod_router)[0]
         for p in result.points:
-            t, cap = p["target"], p["capacity"]
-            with_router = [("learned", None)] + [(r, r) for r in s.routers if r != "attention"]
+            t = p["target"]
+            with_router = [(alone, None)] + [(r, r) for r in s.routers if r != "attention"]
             for method, router in with_router:
                 if self.skip(method, p):
                     continue
+                cap = p["capacity"] if router else p["mod_capacity"]
                 set_capacity(mod_model, cap)
 
                 def run_mod(router: str | None = router, name: str = f"{method} /{t:g}") -> Any:
@@ -78,8 +81,9 @@ class PointEvaluations:
                     try:
                         return self.evaluated(mod_model, name, baseline=True)
                     finally:
-                        set_router(mod_model, "learned")
-                self.add_row(method, t, f"capacity {cap:.3f}", stages.run(f"eval {method}", run_mod))
+                        set_router(mod_model, s.mod_router)
+                self.add_row(method, t, f"capacity {cap:.3f}", stages.run(f"eval {method}", run_mod),
+                             extra_language_flops=self.mod_scoring() if router is None else 0.0)
             if "attention" in s.routers and not self.skip("attention", p):
                 # Its scoring costs FLOPs too: a lower capacity reaches the same total.
                 set_capacity(attention_model, p["attention_capacity"])
@@ -92,6 +96,13 @@ class PointEvaluations:
                 self.evaluate_stacked(p)
             if self.video:
                 self.evaluate_frames(p)
+
+    def mod_scoring(self, keep: float = 1.0) -> float:
+        """Our MoD layers' scoring FLOPs per sample: the attention router's on the tokens they see
+        (a pre-LLM reduction keeping `keep` before them) where the MoD stages train it, else none."""
+        if self.s.mod_router != "attention":
+            return 0.0
+        return len(self.result.layers) * frontier.attention_scoring_flops(self.dims, self.counts, keep)
 
     def evaluate_reduction(self, p: dict[str, Any]) -> None:
         """Pre-LLM reduction with each ranking (VisionZip's two, the features' deviation from
@@ -116,7 +127,8 @@ class PointEvaluations:
         capacity that reaches the point on the kept tokens, on every question (ours, as MoD: the
         paired interval against dense needs them all); its FLOPs count each MoD layer on the
         tokens it ran."""
-        if self.skip("stacked", p):
+        stack = ours(self.s.mod_router)[1]
+        if self.skip(stack, p):
             return
         t, keep, cap = p["target"], p["stack_keep"], p["stack_capacity"]
         set_capacity(self.stack_model, cap)
@@ -126,8 +138,8 @@ class PointEvaluations:
         # Of all the vision tokens: the MoD layers' share of the kept ones, times the kept share.
         report.processed_fraction = {k: v * keep for k, v in report.processed_fraction.items()}
         behind = f", +{self.s.stack_steps} steps behind it" if self.stack != self.mod else ""
-        self.add_row("stacked", t, f"keep {keep:.3f} by {self.s.stack_scoring}, capacity {cap:.3f} "
-                                   f"(share {self.s.share_at(t):g}){behind}", report)
+        self.add_row(stack, t, f"keep {keep:.3f} by {self.s.stack_scoring}, capacity {cap:.3f} "
+                               f"(share {self.s.share_at(t):g}){behind}", report, extra_language_flops=self.mod_scoring(keep))
 
     def evaluate_frames(self, p: dict[str, Any]) -> None:
         """Frame subsampling of the dense model, against the dense model on every frame."""
@@ -145,14 +157,15 @@ class PointEvaluations:
     def evaluate_vision_mod(self) -> None:
         """The main point again with the vision tower routed too (training-free, CLS attention)."""
         s, main = self.s, self.main
-        set_capacity(self.mod_model, main["capacity"])
+        set_capacity(self.mod_model, main["mod_capacity"])
         tower = MoDConfig(capacity=s.vision_capacity, layers=[s.vision_layers - 1], routable=("image",), router="attention")
         apply_mod(self.mod_model, tower, part="vision")
         report = self.stages.run("eval vision MoD", lambda: self.evaluated(
             self.mod_model, "learned + vision tower", baseline=True))
         report.processed_fraction = {k: v for k, v in report.processed_fraction.items() if k.startswith("language")}
-        self.add_row("learned+vision", main["target"], f"capacity {main['capacity']:.3f}, tower {s.vision_capacity:g}",
-                     report)
+        self.add_row("learned+vision", main["target"], f"{s.mod_router} router, capacity {main['mod_capacity']:.3f}, "
+                                                       f"tower {s.vision_capacity:g}", report,
+                     extra_language_flops=self.mod_scoring())
 
 
 __all__ = ["PointEvaluations"]

@@ -31,18 +31,27 @@ def reduction_methods(video: bool) -> dict[str, str]:
     return {k: v for k, v in REDUCTION_METHODS.items() if video or k != "novelty"}
 
 
+def ours(mod_router: str) -> tuple[str, str]:
+    """The method keys of our two rows (MoD alone, stacked) when the MoD stages train `mod_router`."""
+    return frontier.OURS_BY_ROUTER[mod_router]
+
+
 def ceilings(dims: DecoderDims, counts: TokenCounts, layers: Sequence[int], schedule: str | None,
-             scoring: float, video: bool, stacked: bool, others: TokenCounts | None = None) -> dict[str, float]:
+             scoring: float, video: bool, stacked: bool, others: TokenCounts | None = None,
+             mod_router: str = "learned") -> dict[str, float]:
     """Each method's largest LM prefill FLOPs reduction (`scoring`: the attention router's FLOPs
     per MoD layer): MoD's and the stack's on `counts`, the other methods' on `others` (the prompts
-    they answer)."""
+    they answer). The random and stride routers on the MoD weights reach as far as a learned router."""
     others = others or counts
     mod = frontier.max_reduction(dims, counts, "mod", layers, schedule)
-    out = {"learned": mod, "random": mod, "stride": mod,
+    attention = mod_router == "attention"
+    alone, stack = ours(mod_router)
+    out = {"random": mod, "stride": mod,
            "attention": frontier.max_reduction(dims, others, "mod", layers, schedule, scoring)}
+    out[alone] = frontier.max_reduction(dims, counts, "mod", layers, schedule, scoring if attention else 0.0)
     out.update(dict.fromkeys(reduction_methods(video).values(), frontier.max_reduction(dims, others, "reduce")))
     if stacked:
-        out["stacked"] = frontier.max_reduction(dims, counts, "stacked", layers, schedule)
+        out[stack] = frontier.max_reduction(dims, counts, "stacked", layers, schedule, attention=attention)
     if video:
         out["frames"] = frontier.max_reduction(dims, others, "frames")
     return out
@@ -53,20 +62,26 @@ def solve_points(dims: DecoderDims, counts: TokenCounts, s: Any, layers: Sequenc
     """(compute points, ceilings): per target, each method's knob (None where out of reach) and
     the reduction the analytic count predicts for it (`predicted`). MoD's capacity and the stack's
     knobs are solved on `counts` (the prompts our methods answer: every one), the other methods'
-    on `others` (the first `baseline_samples`; the random and stride routers share MoD's capacity)."""
-    video = s.task == "video"
-    reach = ceilings(dims, counts, layers, s.schedule, scoring, video, s.stacked, others)
+    on `others` (the first `baseline_samples`). `capacity`: a learned router's (the random and
+    stride routers share it); with `s.mod_router` attention, `mod_capacity` is ours (its scoring
+    counted), else the same."""
+    video, attention = s.task == "video", s.mod_router == "attention"
+    alone, stack = ours(s.mod_router)
+    reach = ceilings(dims, counts, layers, s.schedule, scoring, video, s.stacked, others, s.mod_router)
     mod_counts, counts = counts, others or counts
     mod_dense, dense = language_prefill_flops(dims, mod_counts.total), language_prefill_flops(dims, counts.total)
     points = []
     for t in s.targets:
         ok = {m: frontier.reaches(c, t) for m, c in reach.items()}
-        p: dict[str, Any] = {"target": t, "capacity": None, "attention_capacity": None, "keep": None,
-                             "predicted": {}, "out_of_reach": sorted(m for m, yes in ok.items() if not yes)}
-        if ok["learned"]:
+        p: dict[str, Any] = {"target": t, "capacity": None, "mod_capacity": None, "attention_capacity": None,
+                             "keep": None, "predicted": {}, "out_of_reach": sorted(m for m, yes in ok.items() if not yes)}
+        if ok["random"]:
             p["capacity"] = frontier.solve_capacity(dims, mod_counts, t, layers, s.schedule)
-            p["predicted"]["learned"] = mod_dense / frontier.mod_language_flops(dims, mod_counts, p["capacity"], layers,
-                                                                                 s.schedule)
+        if ok[alone]:
+            overhead = scoring if attention else 0.0
+            p["mod_capacity"] = frontier.solve_capacity(dims, mod_counts, t, layers, s.schedule, overhead)
+            p["predicted"][alone] = mod_dense / frontier.mod_language_flops(dims, mod_counts, p["mod_capacity"], layers,
+                                                                             s.schedule, overhead)
         if ok["attention"]:
             p["attention_capacity"] = frontier.solve_capacity(dims, counts, t, layers, s.schedule, scoring)
             p["predicted"]["attention"] = dense / frontier.mod_language_flops(
@@ -75,14 +90,14 @@ def solve_points(dims: DecoderDims, counts: TokenCounts, s: Any, layers: Sequenc
             p["keep"] = frontier.solve_keep(dims, counts, t)
             p["predicted"]["reduce"] = dense / frontier.reduce_language_flops(dims, counts, p["keep"])
         if s.stacked:
-            solved = (frontier.solve_stacked(dims, mod_counts, t, layers, s.schedule, s.share_at(t))
-                      if ok["stacked"] else None)
+            solved = (frontier.solve_stacked(dims, mod_counts, t, layers, s.schedule, s.share_at(t), attention)
+                      if ok[stack] else None)
             p["stack_keep"], p["stack_capacity"] = solved or (None, None)
-            if solved is None and "stacked" not in p["out_of_reach"]:
-                p["out_of_reach"].append("stacked")
+            if solved is None and stack not in p["out_of_reach"]:
+                p["out_of_reach"].append(stack)
             if solved is not None:
-                p["predicted"]["stacked"] = mod_dense / frontier.stacked_language_flops(dims, mod_counts, *solved,
-                                                                                       layers, s.schedule)
+                p["predicted"][stack] = mod_dense / frontier.stacked_language_flops(dims, mod_counts, *solved,
+                                                                                   layers, s.schedule, attention)
         if video:
             p["frames"] = frontier.solve_frames(dims, counts, t) if ok["frames"] else None
             if p["frames"] is not None:
@@ -102,7 +117,7 @@ def stack_training_points(dims: DecoderDims, counts: TokenCounts, s: Any, layers
         if share == s.share_at(t):
             draws.append((p["stack_keep"], p["stack_capacity"]))
             continue
-        solved = frontier.solve_stacked(dims, counts, t, layers, s.schedule, share)
+        solved = frontier.solve_stacked(dims, counts, t, layers, s.schedule, share, s.mod_router == "attention")
         if solved is None:
             raise InputError(f"stack_train_share {share:g} cannot reach the stacked point at {t:g}x: give a share "
                              "that reaches it, or none (train where it runs)")
@@ -124,6 +139,8 @@ def describe_points(points: Sequence[dict[str, Any]]) -> list[str]:
     for p in points:
         parts = [f"MoD capacity {knob(p['capacity'])}", f"attention router {knob(p['attention_capacity'])}",
                  f"reduction keeps {knob(p['keep'])}"]
+        if p.get("mod_capacity", p["capacity"]) != p["capacity"]:  # ours attention-routed (`mod_router`): its own capacity
+            parts.insert(1, f"ours (attention-routed MoD) {knob(p.get('mod_capacity'))}")
         if p.get("stack_keep") is not None:
             parts.append(f"stacked keeps {knob(p['stack_keep'])} then capacity {knob(p.get('stack_capacity'))}")
         if "frames" in p:
@@ -135,5 +152,5 @@ def describe_points(points: Sequence[dict[str, Any]]) -> list[str]:
     return lines
 
 
-__all__ = ["REDUCTION_METHODS", "ceilings", "describe_points", "reachable", "reduction_methods", "solve_points",
+__all__ = ["REDUCTION_METHODS", "ceilings", "describe_points", "ours", "reachable", "reduction_methods", "solve_points",
            "stack_training_points"]

@@ -61,7 +61,7 @@ from vlmod.io.hf import load_pretrained, max_positions
 from vlmod.models import tiny
 from vlmod.recipes.cost import format_costs, run_cost
 from vlmod.recipes.methods import PointEvaluations
-from vlmod.recipes.points import describe_points, solve_points, stack_training_points
+from vlmod.recipes.points import describe_points, ours, solve_points, stack_training_points
 from vlmod.recipes.reuse import (
     CONTROL_STAGES,
     DENSE_RUN,
@@ -149,10 +149,10 @@ def run_recipe(out: str | Path, settings: RecipeSettings | None = None, progress
 
 
 def trained_capacities(points: list[dict[str, Any]], up_to: float) -> list[float]:
-    """The capacities the MoD stage trains at: those of the points MoD reaches up to `up_to`
-    (the lowest-reduction reachable point's alone when none is that low)."""
-    reached = [p for p in points if p["capacity"] is not None]
-    return [p["capacity"] for p in reached if p["target"] <= up_to] or [p["capacity"] for p in reached[:1]]
+    """The capacities the MoD stage trains at: ours (`mod_capacity`) at the points MoD reaches up
+    to `up_to` (the lowest-reduction reachable point's alone when none is that low)."""
+    reached = [p for p in points if p["mod_capacity"] is not None]
+    return [p["mod_capacity"] for p in reached if p["target"] <= up_to] or [p["mod_capacity"] for p in reached[:1]]
 
 
 class _Recipe(PointEvaluations):
@@ -371,10 +371,11 @@ class _Recipe(PointEvaluations):
         self.scoring = attention_router_flops(self.dims, counts.total, counts.text)  # per MoD layer
         self.result.points, self.result.ceilings = solve_points(self.dims, counts, s, self.result.layers, self.scoring,
                                                                 self.baseline_counts)
-        reached = [p for p in self.result.points if p["capacity"] is not None]
+        reached = [p for p in self.result.points if p["mod_capacity"] is not None]
         if not reached:
-            raise InputError(f"no compute point is within MoD's reach (at most {self.result.ceilings['learned']:.2f}x "
-                             f"on layers {self.result.layers}): give lower --targets")
+            reach = self.result.ceilings[ours(s.mod_router)[0]]
+            raise InputError(f"no compute point is within MoD's reach (at most {reach:.2f}x on layers "
+                             f"{self.result.layers}): give lower --targets")
         self.main = min(reached, key=lambda p: abs(p["target"] - s.goal))
         self.log(f"   tokens per sample: text {counts.text:.2f} (the first {s.baseline_samples}: "
                  f"{self.baseline_counts.text:.2f}), vision {counts.vision:.1f}; largest reductions "
@@ -390,8 +391,9 @@ class _Recipe(PointEvaluations):
         s, stages, result = self.s, self.stages, self.result
         self.converted = self.out / "converted"
         stages.run("convert", lambda: convert(ConvertOptions(
-            model=str(self.dense), out=str(self.converted), capacity=self.main["capacity"], layers=result.layers,
-            routable=["video"] if self.video else ["image"], capacity_schedule=s.schedule, overwrite=True,
+            model=str(self.dense), out=str(self.converted), capacity=self.main["mod_capacity"], layers=result.layers,
+            routable=["video"] if self.video else ["image"], capacity_schedule=s.schedule, router=s.mod_router,
+            overwrite=True,
         )))
         # The MoD stage's training; the control repeats it on the unconverted dense model.
         mod_stage = {"trainable": "language", "lr": s.mod_lr, "max_steps": s.mod_steps,
