@@ -191,16 +191,16 @@ class HostCost:
 
 
 def host_cost(
-    family: str, capacity: float = 0.5, layers: str = "every_other", breaks: bool = False
+    family: str, capacity: float = 0.5, layers: str = "every_other", breaks: bool = False, router: str = "learned"
 ) -> HostCost:
     """Counts of a tiny `family` model (4 layers, float32, one image or a 4-frame clip, batch 1)
-    and of its MoD conversion at `capacity` on `layers`."""
+    and of its MoD conversion at `capacity` on `layers`, selecting by `router`."""
     import vlmod
     from vlmod.models import tiny
 
     model, processor = tiny.build(family, **BUILD.get(family, {}))
     inputs = tiny_inputs(family, processor)
-    mod = vlmod.apply_mod(copy.deepcopy(model), vlmod.MoDConfig(capacity=capacity, layers=layers))
+    mod = vlmod.apply_mod(copy.deepcopy(model), vlmod.MoDConfig(capacity=capacity, layers=layers, router=router))
     routed = len(vlmod.mod_layers(mod))
     dense_prefill, dense_decode = prefill_and_decode(model, inputs)
     mod_prefill, mod_decode = prefill_and_decode(mod, inputs)

@@ -26,6 +26,9 @@ def add_bench_ops_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
     p.add_argument("--capacity", type=capacity, default=0.5, help="capacity of the MoD layers (default: 0.5)")
     p.add_argument("--layers", type=layers, default="every_other",
                    help="every_other | all | comma list of MoD layers (default: every_other)")
+    p.add_argument("--router", choices=("learned", "attention"), default="learned",
+                   help="how the MoD layers select: the learned router, or the attention router (its scoring, the "
+                   "queries' and keys' projections, runs in each routed layer of a prefill) (default: learned)")
     p.add_argument("--graph-breaks", action="store_true",
                    help="also count a prefill's graph breaks (dynamo traces each model: about a minute a family) "
                    "(default: off)")
@@ -44,9 +47,9 @@ def run_bench_ops(args: argparse.Namespace) -> int:
     unknown = sorted(set(wanted) - set(vlm_variants()))
     if unknown or not wanted:
         raise InputError(f"--families: unknown {', '.join(unknown) or 'none given'}; choose from {', '.join(vlm_variants())}")
-    rows = [host_cost(f, args.capacity, args.layers, breaks=args.graph_breaks) for f in wanted]
+    rows = [host_cost(f, args.capacity, args.layers, breaks=args.graph_breaks, router=args.router) for f in wanted]
     print(format_host_cost(rows))
-    write_json_result(args.json, {"benchmark": "ops", "capacity": args.capacity, "layers": args.layers,
+    write_json_result(args.json, {"benchmark": "ops", "capacity": args.capacity, "layers": args.layers, "router": args.router,
                                   "families": [r.to_dict() for r in rows]})
     return 0
 

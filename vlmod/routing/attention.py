@@ -72,7 +72,7 @@ def check_attention_router(adapter: Any, blocks: list[nn.Module], family: str) -
 
 def query_tokens(layout: TokenLayout) -> tuple[Tensor, Tensor | None]:
     """(index [B, T], valid [B, T] or None) of each row's query tokens, in order; computed once
-    per forward (one host sync for T) and shared by the layout's MoD layers."""
+    per forward (one host read: T, and whether every row has T) and shared by its MoD layers."""
     return layout.per_forward("attention queries", lambda: _query_tokens(layout))
 
 
@@ -90,42 +90,62 @@ def _query_tokens(layout: TokenLayout) -> tuple[Tensor, Tensor | None]:
     ids = torch.tensor([int(t) for t in QUERY_TYPES], device=device)
     is_query = layout.protected & torch.isin(layout.token_types, ids)
     counts = is_query.sum(1)
-    total = max(int(counts.max()), 1) if batch else 1
+    most, fewest = torch.stack((counts.max(), counts.min())).tolist() if batch else (1, 1)
+    total = max(most, 1)
     positions = torch.arange(length, device=device).expand(batch, length)
     slot_key = torch.where(is_query, positions, positions + length)
     index = slot_key.topk(min(total, length), dim=1, largest=False, sorted=True).indices
-    valid = is_query.gather(1, index)
-    return index, None if bool(valid.all()) else valid
+    # Every row holds `total` queries: no filler slot to mask.
+    return index, None if fewest == most and most > 0 else is_query.gather(1, index)
 
 
-def received_attention(qk: AttentionQK, query_index: Tensor, query_valid: Tensor | None, key_valid: Tensor) -> Tensor:
+class QueryPlan(NamedTuple):
+    """What the scores need besides q and k, the same for every layer of a forward."""
+
+    blocked: Tensor  # [B, 1, T, L] bool: the keys a query slot does not see (padding, later tokens)
+    weight: Tensor  # [B, T] each query slot's weight in the mean over heads and queries (0: filler)
+
+
+def query_plan(query_index: Tensor, query_valid: Tensor | None, key_valid: Tensor, causal: bool,
+               heads: int) -> QueryPlan:
+    """The mask and weights of `received_attention` (see there), built once."""
+    batch, t = query_index.shape
+    length = key_valid.shape[1]
+    allowed = key_valid[:, None, :].expand(batch, t, length)
+    if causal:
+        keys = torch.arange(length, device=key_valid.device)
+        allowed = allowed & (keys[None, None, :] <= query_index[:, :, None])
+    if query_valid is not None:
+        # Filler query slots attend anywhere (a finite softmax) and get weight 0.
+        allowed = allowed | ~query_valid[:, :, None]
+    if query_valid is None:
+        weight = torch.full((batch, t), 1.0 / (heads * t), device=key_valid.device)
+    else:
+        valid = query_valid.float()
+        weight = valid / (heads * valid.sum(1, keepdim=True).clamp_min(1.0))
+    return QueryPlan(~allowed[:, None], weight)
+
+
+def received_attention(qk: AttentionQK, query_index: Tensor, query_valid: Tensor | None, key_valid: Tensor,
+                       plan: QueryPlan | None = None) -> Tensor:
     """[B, L] float32: mean over heads and valid queries of the softmax attention each key gets.
 
     key_valid [B, L]: keys a query may see at all (not padding). Rows without a valid query get 0.
+    `plan`: `query_plan` of the same arguments, where a forward scores several layers.
     """
     q, k = qk.q.float(), qk.k.float()
     batch, heads, t, d = q.shape
     kv_heads, length = k.shape[1], k.shape[2]
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads cannot share {kv_heads} key heads")
+    if plan is None:
+        plan = query_plan(query_index, query_valid, key_valid, qk.causal, heads)
     # Query head h uses key head h // G (transformers' repeat_kv order): no copy of the keys.
     groups = heads // kv_heads
     logits = q.reshape(batch, kv_heads, groups * t, d) @ k.transpose(-1, -2)
     logits = logits.view(batch, heads, t, length) * qk.scale
-    allowed = key_valid[:, None, :].expand(batch, t, length)
-    if qk.causal:
-        keys = torch.arange(length, device=k.device)
-        allowed = allowed & (keys[None, None, :] <= query_index[:, :, None])
-    if query_valid is not None:
-        # Filler query slots attend anywhere (a finite softmax) and get weight 0.
-        allowed = allowed | ~query_valid[:, :, None]
-    probs = logits.masked_fill(~allowed[:, None], float("-inf")).softmax(-1)
-    if query_valid is None:
-        weight = torch.full((batch, t), 1.0 / (heads * t), device=q.device)
-    else:
-        valid = query_valid.float()
-        weight = valid / (heads * valid.sum(1, keepdim=True).clamp_min(1.0))
-    return torch.einsum("bhtl,bt->bl", probs, weight)
+    probs = logits.masked_fill(plan.blocked, float("-inf")).softmax(-1)
+    return torch.einsum("bhtl,bt->bl", probs, plan.weight)
 
 
 def attention_keys(
@@ -135,4 +155,8 @@ def attention_keys(
     index, valid = query_tokens(layout)
     with torch.no_grad():
         qk = adapter.attention_qk(block, x, index, args, kwargs)
-        return received_attention(qk, index, valid, layout.token_types != int(TokenType.PADDING))
+        heads = qk.q.shape[1]
+        key_valid = layout.per_forward("attention keys", lambda: layout.token_types != int(TokenType.PADDING))
+        plan = layout.per_forward(f"attention plan {qk.causal} {heads}",
+                                  lambda: query_plan(index, valid, key_valid, qk.causal, heads))
+        return received_attention(qk, index, valid, key_valid, plan)
