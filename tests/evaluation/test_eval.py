@@ -172,6 +172,30 @@ def test_cli_capacity_on_a_dense_checkpoint_is_one_error_line(workdir: Path, cap
     assert err.startswith("error: --capacity:") and "no MoD layers" in err and err.count("\n") == 1
 
 
+def test_cli_router_ranks_the_same_weights_with_another_router(
+    workdir: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """`--router attention` evaluates the saved weights and gate with the attention router's
+    selection: what `vlmod.set_router` gives in Python, not what the saved (learned) router gives."""
+    args = ["--data", str(workdir / "data" / "val.json"), "--limit", "4", "--max-new-tokens", "2", "--no-progress",
+            "--timing-runs", "0"]
+    losses = {}
+    for router in ("learned", "attention"):
+        out = tmp_path / f"{router}.json"
+        assert cli_main(["eval", "--model", str(workdir / "mod"), "--router", router, "--capacity", "0.25",
+                         "--json", str(out), *args]) == 0
+        losses[router] = json.loads(out.read_text())["reports"][0]["answer_loss"]
+    model, processor = vlmod.load_pretrained(workdir / "mod"), tiny.build("llava", image_size=32)[1]
+    vlmod.set_capacity(vlmod.set_router(model, "attention"), 0.25)
+    ds = LlavaDataset(json.loads((workdir / "data" / "val.json").read_text())[:4], processor, workdir / "data")
+    expected = evaluate(model.eval(), processor, ds, batch_size=8, max_new_tokens=2, progress=False).answer_loss
+    assert losses["attention"] == pytest.approx(expected, rel=1e-5) and losses["attention"] != losses["learned"]
+    capsys.readouterr()
+    code = cli_main(["eval", "--model", str(workdir / "dense"), "--router", "attention", *args])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: --router:") and "no MoD layers" in err and err.count("\n") == 1
+
+
 def test_corrupt_image_is_skipped_and_counted(workdir: Path, tmp_path: Path) -> None:
     records = json.loads((workdir / "data" / "val.json").read_text())[:3]
     for r in records:

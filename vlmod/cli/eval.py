@@ -9,9 +9,10 @@ from pathlib import Path
 
 import torch
 
-from vlmod.api import set_capacity
+from vlmod.api import set_capacity, set_router
 from vlmod.cli.argtypes import add_dtype_argument, device, fraction, non_negative_int, option, positive_int
 from vlmod.cli.common import SubParsers, check_json_output, write_json_result
+from vlmod.config import ROUTERS
 from vlmod.data import DataError, load_records
 from vlmod.evaluation import evaluate as ev  # looked up at call time: a test may replace a function
 from vlmod.evaluation.latency import TIMING_RUNS
@@ -38,6 +39,10 @@ def add_evaluate_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     parser.add_argument("--capacity", type=fraction, default=None,
                         help="run --model's MoD layers at this mean capacity: another compute point of the same "
                              "converted weights (default: the capacity it was saved with)")
+    parser.add_argument("--router", choices=ROUTERS, default=None,
+                        help="select --model's MoD tokens with this router instead (the weights and gate as "
+                             "trained): e.g. attention, training-free, or random as a control (default: the "
+                             "router it was saved with)")
     parser.add_argument("--data", required=True, help="LLaVA-format JSON with the reference answers")
     parser.add_argument("--image-root", help="folder image/video paths are relative to (default: the JSON's folder)")
     parser.add_argument("--compare", help="a second model (e.g. the dense original) evaluated side by side")
@@ -78,12 +83,18 @@ def run_evaluate(args: argparse.Namespace) -> int:
         check_not_among(args.json, "--json", media, ev.EvalError)
     for path in (args.model, args.compare):
         if path is not None:
-            ev.check_checkpoint(path, converted=args.capacity is not None and path == args.model)
+            needs = [f for f, v in (("--capacity", args.capacity), ("--router", args.router)) if v is not None]
+            ev.check_checkpoint(path, converted=needs[0] if needs and path == args.model else None)
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     reports = []
     runs = [(path, label) for path, label in ((args.model, args.name), (args.compare, args.compare_name)) if path]
     for (path, label), default in zip(runs, ev.folder_labels([path for path, _ in runs]), strict=True):
         model, processor = ev.load_model(path, args.device, args.dtype)
+        if args.router is not None and path == args.model:
+            try:
+                set_router(model, args.router)
+            except ValueError as e:  # a family the attention router cannot score
+                raise ev.EvalError(f"--router {args.router}: {e}") from None
         if args.capacity is not None and path == args.model:
             set_capacity(model, args.capacity)
         maybe_compile(model, args.compile, warn=lambda line: print(line, file=sys.stderr))

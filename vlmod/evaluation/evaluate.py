@@ -367,15 +367,15 @@ def _pct(value: float | None) -> str:
 # ----------------------------------------------------------------------------- loading
 
 
-def check_checkpoint(path: str, converted: bool = False) -> None:
-    """`EvalError` unless `path` is a LLaVA checkpoint (and, with `converted`, one with MoD
-    layers); reads only its config, so every model of a comparison is checked before the first
-    one loads."""
+def check_checkpoint(path: str, converted: str | None = None) -> None:
+    """`EvalError` unless `path` is a LLaVA checkpoint (and, where option `converted` needs them,
+    one with MoD layers); reads only its config, so every model of a comparison is checked before
+    the first one loads."""
     from vlmod.io.hf import load_config, vlm_class
 
     vlm_class(path, EvalError, "evaluation supports")
     if converted and not getattr(load_config(path), "vlmod", None):
-        raise EvalError(f"--capacity: {path} has no MoD layers (a dense checkpoint); convert it first or drop --capacity")
+        raise EvalError(f"{converted}: {path} has no MoD layers (a dense checkpoint); convert it first or drop {converted}")
 
 
 def load_model(path: str, device: str = "cpu", dtype: str = "auto") -> tuple[nn.Module, Any]:
