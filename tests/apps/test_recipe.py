@@ -325,6 +325,10 @@ def test_reuse_trained_only_evaluates_again(image_run: tuple, tmp_path: Path) ->
     with pytest.raises(InputError, match="max_steps"):
         run_recipe(tmp_path / "run", dataclasses.replace(settings, mod_steps=3), progress=False, log=lambda _: None,
                    reuse_dense=True, reuse_trained=True)
+    # Trained with the learned router: no use to a run whose MoD stages train the attention router.
+    with pytest.raises(InputError, match=r"trained with other .*router \(mod_router\)"):
+        run_recipe(tmp_path / "run", dataclasses.replace(settings, mod_router="attention"), progress=False,
+                   log=lambda _: None, reuse_dense=True, reuse_trained=True)
     with pytest.raises(InputError, match="goes with --reuse-dense"):
         run_recipe(tmp_path / "run", settings, progress=False, log=lambda _: None, reuse_trained=True)
 

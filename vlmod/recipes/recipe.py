@@ -217,7 +217,7 @@ class _Recipe(PointEvaluations):
             num_frames=s.frames, overwrite=True, **kw,
         )
         if self.reuse_trained and run in ("mod", "stack", "dense-control"):
-            model_dir, self.trained[run] = reusable_finetune(self.out, cfg)
+            model_dir, self.trained[run] = reusable_finetune(self.out, cfg, None if run == "dense-control" else s.mod_router)
             return model_dir
         return train(cfg, progress=self.progress).model_dir
 

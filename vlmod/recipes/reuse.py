@@ -242,9 +242,10 @@ def _run_of(path: str | None) -> str | None:
     return p.parent.name if p.name == "model" else p.name
 
 
-def reusable_finetune(out: Path, cfg: Any) -> tuple[Path, float]:
+def reusable_finetune(out: Path, cfg: Any, router: str | None = None) -> tuple[Path, float]:
     """(model, training seconds) of an earlier run's fine-tune into `cfg.output_dir`, if it was
-    trained with these settings (`--reuse-trained`): the recipe then only evaluates again. A stage
+    trained with these settings (`--reuse-trained`), and `router` the MoD router its model selects
+    with (the converted model's: no training setting names it): the recipe then only evaluates again. A stage
     the earlier results do not time (trained by its config YAML, added to the recipe since, or a
     run stopped before it wrote results.json, during its evaluations) counts its steps' time from
     its log. Its model and log are written last, renamed into place, so both there means it finished."""
@@ -259,6 +260,8 @@ def reusable_finetune(out: Path, cfg: Any) -> tuple[Path, float]:
     # Paths follow --out (the folder may have moved), but which run they name must not change:
     # a fine-tune from the first dense model is no use once the recipe starts from the refined one.
     changed += [k for k in ("model", "distill_from") if _run_of(saved.get(k)) != _run_of(getattr(cfg, k))]
+    if router is not None and _saved_router(run / "model") != router:
+        changed.append("router (mod_router)")
     if changed:
         raise InputError(f"--reuse-trained: the {run.name} stage in {out} was trained with other {', '.join(changed)}")
     stage = {r: st for st, r in TRAINING_RUNS.items()}[run.name]
@@ -267,6 +270,12 @@ def reusable_finetune(out: Path, cfg: Any) -> tuple[Path, float]:
     if seconds is None:  # trained with these settings outside the recipe (its config YAML): its steps' time
         seconds = sum(read_record(log, REUSE_TRAINED, ("config",)).get("cost", {}).get("step_seconds", []))
     return run / "model", seconds
+
+
+def _saved_router(model: Path) -> str | None:
+    """The router kind a fine-tuned model's language MoD layers were saved with (None: none)."""
+    config = read_record(model / "config.json", REUSE_TRAINED, ())
+    return ((config.get("vlmod") or {}).get("language") or {}).get("router")
 
 
 __all__ = ["CONTROL_STAGES", "DENSE_RUN", "DENSE_SETTINGS", "FULL_DISK", "RECIPE", "REFINED_RUN", "REFINE_SETTINGS",
