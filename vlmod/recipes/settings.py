@@ -194,10 +194,11 @@ class RecipeSettings:
             base.update(num_train=24000)
             # The MoD stages train the attention router: the learned one did not find the asked glyph (it
             # sees one token at a time; a linear probe on the same states recalls 83-91% of the answer's
-            # tokens in the top 33 of 144, the router ran 39-48% of them). Seed 2 (24,000), the MoD stage
-            # at the same draws and steps, all 1,200 questions: learned 68.4% at 3x, attention 99.3%
-            # (dense 99.5%); seed 1's learned-router weights with the attention router 97.0% (learned 85.5%);
-            # seed 0 (dense 66.2%, its colour question unlearned) attention 68.4%.
+            # tokens in the top 33 of 144, the router ran 39-48% of them). Seed 2 (24,000), each router's
+            # MoD stage of 1,000 steps at its own points' capacities, all 1,200 questions: learned 68.4% at
+            # 3x, attention 99.7% (dense 99.5%; docs/results.md); seed 1's learned-router weights with the
+            # attention router 97.0% (learned 85.5%); seed 0 (dense 66.2%, its colour question unlearned)
+            # attention 68.4%.
             base.update(mod_router="attention")
         if isoflop:
             # The check as docs/results.md reports it: MoD and dense from the same random tower.
