@@ -129,8 +129,7 @@ def _kept(counts: TokenCounts, keep: float) -> TokenCounts:
 def attention_scoring_flops(dims: DecoderDims, counts: TokenCounts, keep: float = 1.0) -> float:
     """The attention router's scoring FLOPs at one MoD layer (`attention_router_flops`), on the
     tokens a pre-LLM reduction keeping `keep` of the vision tokens leaves."""
-    kept = _kept(counts, keep) if keep < 1.0 else counts
-    return attention_router_flops(dims, kept.total, counts.text)
+    return attention_router_flops(dims, _kept(counts, keep).total, counts.text)
 
 
 def stacked_language_flops(dims: DecoderDims, counts: TokenCounts, keep: float, capacity: float,

@@ -83,7 +83,7 @@ from vlmod.recipes.settings import (
 )
 from vlmod.tools.calibrate import rank_checkpoint
 from vlmod.tools.convert import ConvertOptions, convert
-from vlmod.tools.flops import DecoderDims, attention_router_flops
+from vlmod.tools.flops import DecoderDims
 from vlmod.tools.training_flops import projector_flops
 from vlmod.training.tower_pretrain import pretrain_tower
 from vlmod.training.train import TrainConfig, train
@@ -368,7 +368,7 @@ class _Recipe(PointEvaluations):
     def solve_points(self) -> None:
         """For each target reduction: each method's knob, or out of reach (`vlmod.recipes.points`)."""
         s, counts = self.s, self.counts
-        self.scoring = attention_router_flops(self.dims, counts.total, counts.text)  # per MoD layer
+        self.scoring = frontier.attention_scoring_flops(self.dims, counts)  # per MoD layer
         self.result.points, self.result.ceilings = solve_points(self.dims, counts, s, self.result.layers, self.scoring,
                                                                 self.baseline_counts)
         reached = [p for p in self.result.points if p["mod_capacity"] is not None]

@@ -18,11 +18,12 @@ from vlmod.data.detail import DETAIL_TYPES, check_layout, check_resolution
 from vlmod.data.scenes import MAX_DISTRACTORS
 from vlmod.data.synthetic import check_types
 from vlmod.errors import InputError
+from vlmod.evaluation.frontier import OURS_BY_ROUTER
 from vlmod.tools.reduction import SCORINGS
 
 TASKS = ("image", "video", "detail")  # detail: the fine-detail set (`vlmod.data.detail`)
 VIDEO_POOLS = ("average", "max", "conv")
-MOD_ROUTERS = ("learned", "attention")  # the routers the MoD stages can train with (`mod_router`)
+MOD_ROUTERS = tuple(OURS_BY_ROUTER)  # the routers the MoD stages can train with (`mod_router`)
 # The isoFLOP check's dense steps: its MoD runs take 1.44x (the paper's setting) and 2.12x (3x
 # point) as many at the same training FLOPs, and on this project's CPU a MoD step took 1.15x and
 # 0.73x a dense one's time (interleaved, on a busy machine; tiny layers, so routing's fixed costs

@@ -2,7 +2,7 @@
 
 It knows nothing of model families (vlmod.plugins) or of conversion (vlmod.api)."""
 
-from vlmod.routing.attention import AttentionQK, attention_keys, received_attention
+from vlmod.routing.attention import AttentionQK, QueryPlan, attention_keys, query_plan, received_attention
 from vlmod.routing.router import Router, gate
 from vlmod.routing.schedule import capacity_to_k, layer_capacities
 from vlmod.routing.selection import Selection, TokenLayout, select_tokens
@@ -10,6 +10,7 @@ from vlmod.routing.trace import RoutingTrace, trace_routing
 
 __all__ = [
     "AttentionQK",
+    "QueryPlan",
     "Router",
     "RoutingTrace",
     "Selection",
@@ -18,6 +19,7 @@ __all__ = [
     "capacity_to_k",
     "gate",
     "layer_capacities",
+    "query_plan",
     "received_attention",
     "select_tokens",
     "trace_routing",

@@ -108,7 +108,9 @@ class QueryPlan(NamedTuple):
 
 def query_plan(query_index: Tensor, query_valid: Tensor | None, key_valid: Tensor, causal: bool,
                heads: int) -> QueryPlan:
-    """The mask and weights of `received_attention` (see there), built once."""
+    """The mask and weights of `received_attention` for queries at `query_index` [B, T] (`query_valid`
+    [B, T]: the real ones, None: all), keys `key_valid` [B, L] (not padding), `heads` query heads:
+    built once a forward, shared by its layers."""
     batch, t = query_index.shape
     length = key_valid.shape[1]
     allowed = key_valid[:, None, :].expand(batch, t, length)
@@ -126,20 +128,15 @@ def query_plan(query_index: Tensor, query_valid: Tensor | None, key_valid: Tenso
     return QueryPlan(~allowed[:, None], weight)
 
 
-def received_attention(qk: AttentionQK, query_index: Tensor, query_valid: Tensor | None, key_valid: Tensor,
-                       plan: QueryPlan | None = None) -> Tensor:
-    """[B, L] float32: mean over heads and valid queries of the softmax attention each key gets.
-
-    key_valid [B, L]: keys a query may see at all (not padding). Rows without a valid query get 0.
-    `plan`: `query_plan` of the same arguments, where a forward scores several layers.
-    """
+def received_attention(qk: AttentionQK, plan: QueryPlan) -> Tensor:
+    """[B, L] float32: mean over heads and valid queries of the softmax attention each key gets,
+    `plan` (`query_plan`) saying which keys each query sees and how much each query weighs. Rows
+    without a valid query get 0."""
     q, k = qk.q.float(), qk.k.float()
     batch, heads, t, d = q.shape
     kv_heads, length = k.shape[1], k.shape[2]
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads cannot share {kv_heads} key heads")
-    if plan is None:
-        plan = query_plan(query_index, query_valid, key_valid, qk.causal, heads)
     # Query head h uses key head h // G (transformers' repeat_kv order): no copy of the keys.
     groups = heads // kv_heads
     logits = q.reshape(batch, kv_heads, groups * t, d) @ k.transpose(-1, -2)
@@ -159,4 +156,4 @@ def attention_keys(
         key_valid = layout.per_forward("attention keys", lambda: layout.token_types != int(TokenType.PADDING))
         plan = layout.per_forward(f"attention plan {qk.causal} {heads}",
                                   lambda: query_plan(index, valid, key_valid, qk.causal, heads))
-        return received_attention(qk, index, valid, key_valid, plan)
+        return received_attention(qk, plan)
