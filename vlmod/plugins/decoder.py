@@ -420,16 +420,34 @@ class DecoderAdapter(SlotMasks):
         attn = block.self_attn
         rotate = sys.modules[type(attn).__module__].apply_rotary_pos_emb
         batch, length = x.shape[:2]
-        rows = torch.arange(batch, device=x.device).unsqueeze(1)
-        h = block.input_layernorm(x)
-        q = attn.q_proj(h[rows, query_index]).view(batch, query_index.shape[1], -1, attn.head_dim).transpose(1, 2)
-        k = attn.k_proj(h).view(batch, length, -1, attn.head_dim).transpose(1, 2)
-        if getattr(attn, "q_norm", None) is not None:  # Qwen3 / Gemma 3: per-head RMSNorm before RoPE
-            q, k = attn.q_norm(q), attn.k_norm(k)
+        t = query_index.shape[1]
         rope = self.rope_arg.get(args, kwargs)
         if rope is None:
             raise ValueError("the attention router needs the position embeddings (cos, sin) the layer receives")
-        cos, sin = (t.expand(batch, *t.shape[1:]) for t in rope)
-        q = rotate(q, q, cos[rows, query_index], sin[rows, query_index])[0]
-        k = rotate(k, k, cos, sin)[0]
+        h = block.input_layernorm(x)
+        rows = self._shared_mask(("attention rows", batch), lambda: torch.arange(batch, device=x.device).unsqueeze(1))
+        q = attn.q_proj(h[rows, query_index]).view(batch, t, -1, attn.head_dim).transpose(1, 2)
+        k = attn.k_proj(h).view(batch, length, -1, attn.head_dim).transpose(1, 2)
+        if getattr(attn, "q_norm", None) is not None:  # Qwen3 / Gemma 3: per-head RMSNorm before RoPE
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        heads, kv_heads = q.shape[1], k.shape[1]
+        groups = heads // kv_heads
+        # Upstream's RoPE rotates a (q, k) pair at one set of positions; ours sit at two. So q, its
+        # heads grouped by key head (transformers' repeat_kv order), and k go through it as one
+        # sequence with cos / sin at each of its tokens' positions (built once a forward for every
+        # layer given these embeddings): one call.
+        cos, sin = self._shared_mask(("attention rope", id(rope[0]), id(query_index), groups),
+                                     lambda: _joint_rope(rope, query_index, rows, groups))
+        joint = torch.cat((q.reshape(batch, kv_heads, groups * t, attn.head_dim), k), dim=2)
+        joint = rotate(joint, joint[:, :1], cos, sin)[0]  # the second: one key head's worth, discarded
+        q = joint[:, :, : groups * t].reshape(batch, heads, t, attn.head_dim)
+        k = joint[:, :, groups * t :]
         return AttentionQK(q=q, k=k, scale=attn.scaling, causal=True)
+
+
+def _joint_rope(rope: tuple[Tensor, Tensor], query_index: Tensor, rows: Tensor, groups: int) -> tuple[Tensor, Tensor]:
+    """cos and sin [B, G * T + L, d] for the query tokens at `query_index` [B, T], repeated for the
+    G query heads of a key head, then every token."""
+    batch = query_index.shape[0]
+    full = [r.expand(batch, *r.shape[1:]) for r in rope]
+    return tuple(torch.cat((r[rows, query_index].repeat(1, groups, 1), r), dim=1) for r in full)
