@@ -281,6 +281,7 @@ def test_reuse_dense_refuses_a_dense_model_of_another_detail_set() -> None:
     old = {k: v for k, v in asdict(now).items() if k not in ("glyph_scale", "types", "question_first")}
     assert changed_settings(old, now, DENSE_SETTINGS) == ["glyph_scale", "types", "question_first"]
     assert changed_settings({**asdict(now), "layout": "scene"}, now, DENSE_SETTINGS) == ["layout"]
+    assert changed_settings({**asdict(now), "faint": 0.5}, now, DENSE_SETTINGS) == ["faint"]
 
 
 def test_a_page_fills_the_picture_with_glyphs_each_question_still_naming_one(tmp_path: Path) -> None:
@@ -312,3 +313,51 @@ def test_a_page_fills_the_picture_with_glyphs_each_question_still_naming_one(tmp
         assert len(r["meta"]["answer_patches"]) == 4 and answer_share(r["meta"], 96, 8) == 4 / 144
     train = [len(r["meta"]["glyphs"]) for r in _records(out, "train")]
     assert min(train) == 1 and np.mean(train) < np.mean(glyphs)  # the curriculum: from none up
+
+
+def test_faint_pictures_are_the_same_pictures_with_their_glyphs_and_markers_faint(detail_set: Path,
+                                                                                  tmp_path: Path) -> None:
+    """`faint`: that share of each split's pictures draws every glyph and marker at a contrast in
+    FAINT_CONTRAST, the rest solid; everything else (layout, questions, other pixels) is as without."""
+    from vlmod.data.detail import FAINT_CONTRAST
+
+    out = tmp_path / "faint"
+    generate_detail(out, num_train=60, num_val=30, seed=3, faint=0.5)
+    assert json.loads((out / "meta.json").read_text())["faint"] == 0.5
+    faint = 0
+    for split in ("train", "val"):
+        for solid_rec, rec in zip(_records(detail_set, split), _records(out, split), strict=True):
+            assert rec["conversations"] == solid_rec["conversations"]
+            solid = np.asarray(Image.open(detail_set / solid_rec["image"]), dtype=np.int16)
+            img = np.asarray(Image.open(out / rec["image"]), dtype=np.int16)
+            k = rec["meta"].get("contrast", 1.0)
+            items = rec["meta"]["glyphs"] + [o for o in rec["meta"]["objects"] if o.get("small")]
+            assert all(item.get("contrast", 1.0) == k for item in items)
+            if k == 1.0:
+                assert rec["meta"] == solid_rec["meta"] and np.array_equal(img, solid)
+                continue
+            faint += 1
+            assert FAINT_CONTRAST[0] <= k <= FAINT_CONTRAST[1]
+            inside = np.zeros(img.shape[:2], dtype=bool)
+            for item in items:
+                x0, y0, x1, y1 = item["box"]
+                inside[y0:y1, x0:x1] = True
+                assert not np.array_equal(img[y0:y1, x0:x1], solid[y0:y1, x0:x1])  # the glyph drawn fainter
+            assert np.array_equal(img[~inside], solid[~inside])
+    assert 25 <= faint <= 65  # about half of the 90
+    with pytest.raises(ValueError, match="faint is the share of pictures drawn faint, 0 to 1, got 1.5"):
+        generate_detail(tmp_path / "refused", 6, 3, faint=1.5)
+
+
+def test_the_recipe_takes_faint_for_the_detail_task_only(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from vlmod.cli import main
+    from vlmod.recipes.settings import RecipeSettings
+
+    assert RecipeSettings.for_task("detail", faint=0.3).faint == 0.3
+    with pytest.raises(InputError, match="--faint is the share of pictures drawn faint, 0 to 1, got 1.5"):
+        RecipeSettings.for_task("detail", faint=1.5)
+    with pytest.raises(InputError, match="give them with --task detail, not --task image"):
+        RecipeSettings.for_task("image", faint=0.2)
+    assert main(["recipe", "--task", "detail", "--quick", "--faint", "2", "--out", str(tmp_path / "run")]) == 2
+    assert "expected a number in [0, 1], got 2" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

@@ -61,6 +61,11 @@ MAX_ITEMS = 4  # the most answer patches a question rests on (count_small's "fou
 MIN_PATCH = 8  # a 5 x 7 glyph and its jitter fit inside one patch
 DEFAULT_IMAGE_SIZE, DEFAULT_PATCH_SIZE = 96, 8  # 12 x 12 = 144 vision tokens: 4 patches are 2.8%
 MARKER_RADIUS = 2.5  # a small marker's outer radius at patch size 8: a 4 px square
+# A faint picture's contrast, uniform in this range (its glyphs' and markers' colour weight over what
+# lies under them). A dense model trained on solid glyphs reads a page's asked digit at 100% at
+# contrast 1, 70% at 0.5, 16% at 0.3 and chance below (seed 2, 200 questions): the range spans what
+# a model can be taught to see, so faint pictures grade a set by what the eye can read.
+FAINT_CONTRAST = (0.05, 0.5)
 
 
 @dataclass(frozen=True)
@@ -242,16 +247,17 @@ def _plan_items(rng: np.random.Generator, qtype: str, answer: str, glyph_range: 
 
 
 def _draw_item(rng: np.random.Generator, img: np.ndarray, item: dict[str, Any], cell: tuple[int, int],
-               patch: int) -> dict[str, Any]:
-    """Draw a glyph or marker inside `cell` (random offset, never leaving it); its record with its box."""
+               patch: int, contrast: float = 1.0) -> dict[str, Any]:
+    """Draw a glyph or marker inside `cell` (random offset, never leaving it) at `contrast` (its
+    colour's weight over what lies under it); its record with its box."""
     x_cell, y_cell = cell[1] * patch, cell[0] * patch
     scale = patch // MIN_PATCH
     if "digit" in item:
         mask = glyph_mask(item["digit"], scale)
         h, w = mask.shape
         x0, y0 = x_cell + int(rng.integers(0, patch - w + 1)), y_cell + int(rng.integers(0, patch - h + 1))
-        img[y0:y0 + h, x0:x0 + w][mask] = np.asarray(COLORS[item["color"]], dtype=np.float32)
-        return {**item, "box": [x0, y0, x0 + w, y0 + h]}
+        composite(img[y0:y0 + h, x0:x0 + w], mask.astype(np.float32) * contrast, item["color"])
+        return {**item, "box": [x0, y0, x0 + w, y0 + h], **({"contrast": contrast} if contrast != 1.0 else {})}
     radius = MARKER_RADIUS * scale
     cx = x_cell + float(rng.uniform(radius + 0.5, patch - radius - 0.5))
     cy = y_cell + float(rng.uniform(radius + 0.5, patch - radius - 0.5))
@@ -259,17 +265,18 @@ def _draw_item(rng: np.random.Generator, img: np.ndarray, item: dict[str, Any], 
               "small": True}
     # Drawn on the cell alone (it never leaves it): a whole-picture canvas a marker cost 3x the time.
     composite(img[y_cell:y_cell + patch, x_cell:x_cell + patch],
-              shape_alpha("square", *marker["center"], radius, patch, origin=(x_cell, y_cell)), item["color"])
-    return {**marker, "box": [x_cell, y_cell, x_cell + patch, y_cell + patch]}
+              shape_alpha("square", *marker["center"], radius, patch, origin=(x_cell, y_cell)) * contrast, item["color"])
+    return {**marker, "box": [x_cell, y_cell, x_cell + patch, y_cell + patch],
+            **({"contrast": contrast} if contrast != 1.0 else {})}
 
 
 def detail_sample(rng: np.random.Generator, qtype: str, answer: str, size: int = DEFAULT_IMAGE_SIZE,
                   patch: int = DEFAULT_PATCH_SIZE, curriculum: bool = False, scale: int = 1,
-                  layout: str = "scene") -> tuple[np.ndarray, str, dict[str, Any]]:
+                  layout: str = "scene", contrast: float = 1.0) -> tuple[np.ndarray, str, dict[str, Any]]:
     """(image uint8 [size, size, 3], question, meta) of one fine-detail question whose answer is
     `answer`; `curriculum`: the clutter drawn from the training split's wider ranges (none to most);
     `scale`: every glyph and marker drawn `scale` times larger in a cell of scale x scale patches;
-    `layout`: a name of LAYOUTS."""
+    `layout`: a name of LAYOUTS; `contrast`: every glyph's and marker's (1: solid; below, faint)."""
     if qtype not in DETAIL_TYPES:
         raise ValueError(f"unknown fine-detail question type {qtype!r}; types: {', '.join(DETAIL_TYPES)}")
     if answer not in DETAIL_ANSWERS[qtype]:
@@ -290,11 +297,12 @@ def detail_sample(rng: np.random.Generator, qtype: str, answer: str, size: int =
     img = background(rng, size)
     for o, alpha in zip(large, alphas, strict=True):  # as `scenes.paint`, on the coverage computed once
         composite(img, alpha, o["color"])
-    drawn = [_draw_item(rng, img, item, at, cell) for item, at in zip(targets + clutter, cells, strict=False)]
+    drawn = [_draw_item(rng, img, item, at, cell, contrast) for item, at in zip(targets + clutter, cells, strict=False)]
     boxes = [d["box"] for d in drawn[:len(targets)]]
     meta = {"type": qtype, "objects": large + [d for d in drawn if "shape" in d],
             "glyphs": [d for d in drawn if "digit" in d], "answer_boxes": boxes, "patch_size": patch,
-            "cell_size": cell, "answer_patches": sorted({p for b in boxes for p in box_patches(b, size, patch)})}
+            "cell_size": cell, "answer_patches": sorted({p for b in boxes for p in box_patches(b, size, patch)}),
+            **({"contrast": contrast} if contrast != 1.0 else {})}
     return to_uint8(img), question, meta
 
 
@@ -307,16 +315,24 @@ def caption(meta: dict[str, Any]) -> str:
     return " , ".join(words for box, words in sorted(items, key=lambda it: (it[0][1] // size, it[0][0] // size)))
 
 
+def _contrast(rng: np.random.Generator, faint: float) -> float:
+    """A picture's contrast: with probability `faint` uniform in FAINT_CONTRAST, else 1 (solid)."""
+    return round(float(rng.uniform(*FAINT_CONTRAST)), 3) if faint and rng.random() < faint else 1.0
+
+
 def generate_detail(out_dir: str | Path, num_train: int, num_val: int, image_size: int = DEFAULT_IMAGE_SIZE,
                     patch_size: int = DEFAULT_PATCH_SIZE, seed: int = 0,
                     question_types: Sequence[str] = DETAIL_TYPES, curriculum: bool = True, captions: bool = False,
-                    scale: int = 1, question_first: bool = False, layout: str = "scene", progress: bool = False) -> Any:
+                    scale: int = 1, question_first: bool = False, layout: str = "scene", faint: float = 0.0,
+                    progress: bool = False) -> Any:
     """Write the fine-detail set to `out_dir` (the module doc) and say what was written
     (`synthetic.SyntheticSummary`). `curriculum`: the training pictures' clutter from none to the
     validation set's most (`Layout`); `captions`: a caption record (`caption`) beside each training
     question; `scale`: glyphs and markers drawn over scale x scale patches (`detail_sample`);
     `question_first`: each prompt puts the question before the picture, so every vision token can
-    attend to the words that name what to find; `layout`: a name of LAYOUTS (`check_layout`).
+    attend to the words that name what to find; `layout`: a name of LAYOUTS (`check_layout`); `faint`:
+    the share of pictures (of each split) whose glyphs and markers are drawn at a contrast uniform
+    in FAINT_CONTRAST (drawn from a stream of their own: a picture is the same but for its contrast).
     Refuses a resolution whose answers could exceed MAX_ANSWER_SHARE of the vision tokens
     (`check_resolution`). Same arguments, same bytes."""
     from tqdm.auto import tqdm
@@ -336,6 +352,8 @@ def generate_detail(out_dir: str | Path, num_train: int, num_val: int, image_siz
     for name, value in (("num_train", num_train), ("num_val", num_val)):
         if value < 0:
             raise ValueError(f"{name} must be >= 0, got {value}")
+    if not 0.0 <= faint <= 1.0:
+        raise ValueError(f"faint is the share of pictures drawn faint, 0 to 1, got {faint}")
     qtypes = check_types(question_types, DETAIL_TYPES, "fine-detail")
     check_layout(layout, qtypes)
     check_resolution(image_size, patch_size, scale, qtypes)
@@ -349,9 +367,10 @@ def generate_detail(out_dir: str | Path, num_train: int, num_val: int, image_siz
             folder.mkdir(parents=True, exist_ok=True)
             records, names = [], set()
             for i, (qtype, answer) in enumerate(plan):
+                contrast = _contrast(np.random.default_rng([seed, code, 3, i]), faint)
                 img, question, meta = detail_sample(np.random.default_rng([seed, code, 2, i]), qtype, answer,
                                                     image_size, patch_size, curriculum=curriculum and split == "train",
-                                                    scale=scale, layout=layout)
+                                                    scale=scale, layout=layout, contrast=contrast)
                 name = f"{i:06d}.png"
                 _write_png(folder / name, img)
                 names.add(name)
@@ -369,13 +388,14 @@ def generate_detail(out_dir: str | Path, num_train: int, num_val: int, image_siz
             splits[split] = {"file": path.name, "records": len(records), "answer_counts": counts}
     _write_json(out / "meta.json", {
         "generator": "vlmod.data.detail", "seed": seed, "image_size": image_size, "patch_size": patch_size,
-        "glyph_scale": scale, "question_first": question_first, "layout": layout, "max_answer_share": MAX_ANSWER_SHARE,
+        "glyph_scale": scale, "question_first": question_first, "layout": layout, "faint": faint,
+        "faint_contrast": list(FAINT_CONTRAST), "max_answer_share": MAX_ANSWER_SHARE,
         "curriculum": curriculum, "captions": captions, "question_types": list(qtypes), "questions": DETAIL_QUESTIONS,
         "answers": {k: list(v) for k, v in DETAIL_ANSWERS.items()}, "splits": splits,
     })
     return summary
 
 
-__all__ = ["DETAIL_ANSWERS", "DETAIL_QUESTIONS", "DETAIL_TYPES", "DIGITS", "FONT", "GLYPH_TYPES", "LAYOUTS",
+__all__ = ["DETAIL_ANSWERS", "DETAIL_QUESTIONS", "DETAIL_TYPES", "DIGITS", "FAINT_CONTRAST", "FONT", "GLYPH_TYPES", "LAYOUTS",
            "MAX_ANSWER_SHARE", "Layout", "answer_share", "box_patches", "caption", "check_layout", "check_resolution",
            "detail_sample", "generate_detail", "glyph_mask"]

@@ -60,6 +60,7 @@ class RecipeSettings:
     types: tuple[str, ...] | None = None
     question_first: bool = False  # the fine-detail prompts put the question before the picture
     layout: str = "scene"  # the fine-detail pictures' layout (`vlmod.data.detail.LAYOUTS`)
+    faint: float = 0.0  # the share of fine-detail pictures drawn faint (`vlmod.data.detail.FAINT_CONTRAST`)
     width: int = 128
     layers: int = 8
     heads: int = 8
@@ -275,9 +276,12 @@ class RecipeSettings:
             if self.distractors:  # its pictures have their own clutter (`vlmod.data.detail`)
                 raise InputError(f"--distractors is the shapes set's extra shapes; the fine-detail set draws its own "
                                  f"clutter: leave it out of --task detail (got {self.distractors})")
-        elif self.glyph_scale != 1 or self.types is not None or self.question_first or self.layout != "scene":
-            raise InputError(f"--glyph-scale, --types, --question-first and --layout shape the fine-detail set: give "
-                             f"them with --task detail, not --task {self.task}")
+            if not 0.0 <= self.faint <= 1.0:
+                raise InputError(f"--faint is the share of pictures drawn faint, 0 to 1, got {self.faint}")
+        elif (self.glyph_scale != 1 or self.types is not None or self.question_first or self.layout != "scene"
+              or self.faint):
+            raise InputError(f"--glyph-scale, --types, --question-first, --layout and --faint shape the fine-detail "
+                             f"set: give them with --task detail, not --task {self.task}")
         if self.task == "video" and self.frames < 2:  # else the data stage's ValueError, as a traceback
             raise InputError(f"frames is the frames of a clip, >= 2 for the video task's moving objects, got "
                              f"{self.frames}")
