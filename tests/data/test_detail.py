@@ -240,6 +240,9 @@ def test_the_recipe_takes_the_glyph_scale_and_types_for_the_detail_task_only(tmp
     detail = RecipeSettings.for_task("detail")  # the recipe's set: a page of glyphs over 2 x 2 patches, the question first
     assert (detail.glyph_scale, detail.types, detail.question_first, detail.layout) == (2, ("digit", "small_color"), True,
                                                                                         "page")
+    # 8x: the reduction takes 0.3 of the FLOPs reduction, and the stacked stage trains where each point runs
+    assert [detail.share_at(t, training) for t in (3.0, 5.0, 8.0) for training in (False, True)] == [0.5, 0.5, 0.5, 0.5,
+                                                                                                   0.3, 0.3]
     run = ["recipe", "--task", "detail", "--quick", "--types", "digit,count_small", "--out", str(tmp_path / "run")]
     assert main(run) == 2  # the page draws no markers to count
     err = capsys.readouterr().err

@@ -180,11 +180,13 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                         help="MoD stacked on pre-LLM reduction: the reduction's share of each point's LM FLOPs "
                              "reduction, in log terms (0.5: each does the square root), MoD the rest; a bare SHARE "
                              "for every point, TARGET=SHARE for one (default: image "
-                             f"{_shares(image.stack_share)}, video {_shares(vid.stack_share)})")
+                             f"{_shares(image.stack_share)}, video {_shares(vid.stack_share)}, detail "
+                             f"{_shares(detail.stack_share)})")
     parser.add_argument("--stack-train-share", nargs="+", type=share_at_target, default=None, metavar="[TARGET=]SHARE",
                         help="the split the stacked stage trains at, as --stack-share; a target it does not name "
                              "trains where it runs (default: image "
-                             f"{_shares(image.stack_train_share)}, video {_shares(vid.stack_train_share, named_only=True)}; "
+                             f"{_shares(image.stack_train_share)}, video {_shares(vid.stack_train_share, named_only=True)}, "
+                             f"detail {_shares(detail.stack_train_share)}; "
                              "with --stack-share given: as --stack-share)")
     parser.add_argument("--types", type=question_types, default=None, metavar="TYPE,TYPE,...",
                         help="detail task: its question types, a comma list out of "
