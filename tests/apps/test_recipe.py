@@ -206,8 +206,9 @@ def test_the_quick_detail_recipe_runs_every_method_at_every_point(router: str, t
     assert set(dense["accuracy_by_type"]) == set(saved["settings"]["types"]) < set(DETAIL_TYPES)
     records = json.loads((out / "data" / "val.json").read_text())
     assert all(answer_share(r["meta"], 96, 8) <= MAX_ANSWER_SHARE for r in records)
-    # The recipe's set: each glyph over 2 x 2 patches (4 tokens), the question before the picture.
+    # The recipe's set: each glyph over 2 x 2 patches (4 tokens), the question before the picture, some faint.
     assert all(len(r["meta"]["answer_patches"]) == 4 for r in records)
+    assert any("contrast" in r["meta"] for r in records) and not all("contrast" in r["meta"] for r in records)
     assert all(r["conversations"][0]["value"].endswith("\n<image>") for r in records)
     assert "val_patch_digit_accuracy" in json.loads((out / "tower" / "log.json").read_text())
     # The set check that the answers rest on their own tokens, on the first baseline questions.

@@ -26,6 +26,9 @@ indices at the set's patch size); `answer_share` gives their share of the vision
 resolution. Digits are drawn from a hand-made 5 x 7 bitmap font (scaled by patch_size // 8), so
 no TrueType font is involved.
 
+`faint` draws a share of the pictures with every glyph and marker at a low contrast (as the video
+set's faint clips): what decides those is what can be seen, not a binding the model may never find.
+
 Answers are balanced within each type and types take turns (`synthetic._balanced_plan`); the
 same seed gives the same bytes; files as the shapes set writes them (`train.json`, `val.json`,
 `images/{train,val}/NNNNNN.png`, `meta.json`), each record's `meta.objects` the shapes drawn
