@@ -237,10 +237,10 @@ def test_the_recipe_takes_the_glyph_scale_and_types_for_the_detail_task_only(tmp
             RecipeSettings.for_task(task, glyph_scale=2)
         with pytest.raises(InputError, match=f"give them with --task detail, not --task {task}"):
             RecipeSettings.for_task(task, question_first=True)
-    # the recipe's set: a page of glyphs over 2 x 2 patches, the question first, the digit question, 30% faint
+    # the recipe's set: a page of glyphs over 2 x 2 patches, the question first, the digit question, 20% faint
     detail = RecipeSettings.for_task("detail")
     assert (detail.glyph_scale, detail.types, detail.question_first, detail.layout, detail.faint) == (
-        2, ("digit",), True, "page", 0.3)
+        2, ("digit",), True, "page", 0.2)
     # 8x: the reduction takes 0.3 of the FLOPs reduction, and the stacked stage trains where each point runs
     assert [detail.share_at(t, training) for t in (3.0, 5.0, 8.0) for training in (False, True)] == [0.5, 0.5, 0.5, 0.5,
                                                                                                    0.3, 0.3]
