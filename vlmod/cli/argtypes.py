@@ -42,17 +42,6 @@ def fraction(text: str) -> float:
     return value
 
 
-def share(text: str) -> float:
-    """A number in [0, 1]: a share of items."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text}")
-    return value
-
-
 def finite_float(text: str) -> float:
     """Any finite number (not nan, not inf)."""
     try:
@@ -69,6 +58,14 @@ def positive_float(text: str) -> float:
     value = finite_float(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"expected a number > 0, got {text}")
+    return value
+
+
+def share(text: str) -> float:
+    """A number in [0, 1]: a share of items (`fraction` with 0 allowed)."""
+    value = finite_float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text}")
     return value
 
 
