@@ -151,12 +151,17 @@ def test_inverted_is_the_complement_of_learned():
 # ---------------------------------------------------------------------------- attention router oracle
 
 
+@pytest.mark.parametrize("row", [None, 0, 2], ids=["padded-batch", "one-left-padded", "one"])
 @pytest.mark.parametrize("family", ["llava_next", "llava_onevision"])
-def test_attention_router_is_the_mean_eager_attention_from_instruction_tokens(family, spy_keys):
+def test_attention_router_is_the_mean_eager_attention_from_instruction_tokens(family, row, spy_keys):
     """Keys at layer 2 = the dense model's own layer-2 attention map (eager), averaged over heads
-    and instruction query rows; the selection is its top-k among image tokens."""
+    and instruction query rows; the selection is its top-k among image tokens. A padded batch reads
+    its query count; a batch of one sizes its query slots from shapes (padding and the system
+    prompt as filler slots), with the same keys."""
     model, _ = _llava(family, "eager")
     inputs = _llava_inputs(family)
+    if row is not None:
+        inputs = {name: value[row : row + 1] for name, value in inputs.items()}
     mod = vlmod.apply_mod(copy.deepcopy(model), vlmod.MoDConfig(capacity=0.5, layers=[2], router="attention"))
     with torch.no_grad(), vlmod.trace_routing(mod) as trace:
         mod(**inputs)

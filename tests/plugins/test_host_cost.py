@@ -53,14 +53,15 @@ def test_no_host_sync_the_dense_model_does_not_make(family):
     assert row.mod_decode.syncs <= row.dense_decode.syncs, (row.mod_decode.by_sync, row.dense_decode.by_sync)
 
 
-def test_the_attention_router_reads_the_host_once_a_forward():
-    """The attention router finds its query tokens once a forward (one host read: how many, and
-    whether every row has as many), builds their mask and weights once, and scores each routed
-    layer of a prefill from its own q and k projections, rotated in one call of upstream's RoPE
-    (docs/engine.md); a decode step has nothing to rank and costs what the learned router's does."""
+def test_the_attention_router_reads_nothing_the_learned_router_does_not():
+    """A batch of one without padding: the attention router sizes its query slots from shapes (every
+    token that is not routable, the non-queries weighing 0), builds their mask and weights once a
+    forward, and scores each routed layer of a prefill from its own q and k projections, rotated in
+    one call of upstream's RoPE (docs/engine.md); a decode step has nothing to rank and costs what
+    the learned router's does. A padded batch reads its query count once a forward."""
     learned, attention = host_cost("llava"), host_cost("llava", router="attention")
-    assert attention.mod_prefill.syncs == learned.mod_prefill.syncs + 1, attention.mod_prefill.by_sync
-    assert attention.prefill_per_layer <= 52, (attention.mod_prefill.by_op, learned.mod_prefill.by_op)
+    assert attention.mod_prefill.syncs == learned.mod_prefill.syncs, attention.mod_prefill.by_sync
+    assert attention.prefill_per_layer <= 54, (attention.mod_prefill.by_op, learned.mod_prefill.by_op)
     assert attention.mod_decode.ops == learned.mod_decode.ops and attention.mod_decode.syncs == 0
 
 

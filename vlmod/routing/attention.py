@@ -35,7 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from vlmod.config import TokenType
-from vlmod.routing.selection import TokenLayout
+from vlmod.routing.selection import TokenLayout, routable_mask
 
 # Protected token types whose attention ranks the routable tokens.
 QUERY_TYPES = (TokenType.INSTRUCTION, TokenType.PREFIX)
@@ -72,7 +72,8 @@ def check_attention_router(adapter: Any, blocks: list[nn.Module], family: str) -
 
 def query_tokens(layout: TokenLayout) -> tuple[Tensor, Tensor | None]:
     """(index [B, T], valid [B, T] or None) of each row's query tokens, in order; computed once
-    per forward (one host read: T, and whether every row has T) and shared by its MoD layers."""
+    per forward (one host read, T and whether every row has T, unless the layout knows its routable
+    count from shapes) and shared by its MoD layers."""
     return layout.per_forward("attention queries", lambda: _query_tokens(layout))
 
 
@@ -87,12 +88,20 @@ def _query_tokens(layout: TokenLayout) -> tuple[Tensor, Tensor | None]:
                 "tokens, and this ViT has none"
             )
         return torch.arange(p, device=device).expand(batch, p), None
-    ids = torch.tensor([int(t) for t in QUERY_TYPES], device=device)
-    is_query = layout.protected & torch.isin(layout.token_types, ids)
+    is_query = layout.protected & routable_mask(layout.token_types, QUERY_TYPES)  # no id tensor to copy
+    positions = layout.positions()
+    routable = layout.known_routable_count()
+    if routable is not None:
+        # One row whose routable count follows from shapes: every token that is not routable takes
+        # a query slot, the ones that are not queries (a system prompt, padding) as filler. No
+        # host read; the few extra rows of scores weigh 0.
+        slots = max(length - routable, 1)
+        slot_key = torch.where(layout.not_routable(), positions, positions + length)
+        index = slot_key.topk(slots, dim=1, largest=False, sorted=True).indices
+        return index, is_query.gather(1, index)
     counts = is_query.sum(1)
     most, fewest = torch.stack((counts.max(), counts.min())).tolist() if batch else (1, 1)
     total = max(most, 1)
-    positions = torch.arange(length, device=device).expand(batch, length)
     slot_key = torch.where(is_query, positions, positions + length)
     index = slot_key.topk(min(total, length), dim=1, largest=False, sorted=True).indices
     # Every row holds `total` queries: no filler slot to mask.

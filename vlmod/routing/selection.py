@@ -228,10 +228,9 @@ class TokenLayout:
             total = self.num_prefix + k
             return Budget(k, total, True, total == length)
         if capacity not in self._budgets:
-            if self.routable_count is not None and self.shape[0] == 1 and (
-                self.padding_as_filler or self.padding is None
-            ):
-                n, length = self.routable_count, self.shape[1]
+            n = self.known_routable_count()
+            if n is not None:
+                length = self.shape[1]
                 k = capacity_to_k(capacity, n)
                 full = k == n and not self.padding_as_filler
                 self._budgets[capacity] = Budget(k, length - n + k, True, full)
@@ -239,6 +238,15 @@ class TokenLayout:
                 self.prepare([capacity])
         return self._budgets[capacity]
 
+    def known_routable_count(self) -> int | None:
+        """The routable tokens of the batch's one row where they follow from shapes (`routable_count`,
+        no padding or padding run as filler), else None: what lets budgets, and the attention
+        router's query slots, be sized without reading a tensor."""
+        if self.routable_count is not None and self.shape[0] == 1 and (
+            self.padding_as_filler or self.padding is None
+        ):
+            return self.routable_count
+        return None
 
     def slot_valid(self, capacity: float) -> Tensor:
         """[B, K] bool, once per forward and capacity where rows process different counts: True on
