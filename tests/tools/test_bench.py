@@ -350,3 +350,21 @@ def test_bench_ops_prints_the_host_cost_table(tmp_path, capsys):
     assert row["prefill_per_layer"] <= 15 and row["decode_per_layer"] <= 4
     assert main(["bench", "ops", "--families", "llava,nope"]) == 2
     _one_error_line(capsys, "unknown nope")
+
+
+def test_the_op_counter_sees_copies_that_may_alias_ops_make_under_inference_mode():
+    """Under inference mode `reshape` and `contiguous` reach the counter whole, marked as views,
+    and `type_as` whole: a call that returned new memory launched a copy and counts; one that
+    returned its input (or a view of it) does not."""
+    from vlmod.bench.ops import OpCounter
+
+    x = torch.randn(2, 3, 8, 4)
+    wide = x.double()
+    with torch.inference_mode(), OpCounter() as counter:
+        x.reshape(6, 8, 4)  # a view
+        x.contiguous()  # already contiguous: itself
+        x[:, :, :4].reshape(2, 12, 4)  # a copy
+        x.transpose(1, 2).contiguous()  # a copy
+        x.type_as(x)  # itself
+        x.type_as(wide)  # a copy
+    assert dict(counter.ops) == {"reshape": 1, "contiguous": 1, "type_as": 1}

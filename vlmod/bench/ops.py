@@ -28,6 +28,8 @@ NO_KERNEL = {
 HOST_READS = ("item", "tolist", "nonzero", "__bool__", "__int__", "__float__", "__index__")
 # Other ops that read values to size their output or answer on the host (a sync on an accelerator).
 SYNCING_OPS = {"equal", "masked_select", "unique", "_unique2"}
+# Ops not marked as views that return their input when there is nothing to convert.
+MAY_RETURN_INPUT = {"type_as"}
 # A small batch of one image or clip for each family: tiny.build arguments where the defaults
 # would give too few vision tokens to route.
 BUILD = {"qwen2_5_vl": {"patch_size": 4}, "qwen3_vl": {"patch_size": 4}}
@@ -46,13 +48,30 @@ class OpCounter(TorchDispatchMode):
         name = func.overloadpacket.__name__
         if name in SYNCING_OPS:
             self.syncs[name] += 1
-        if not func.is_view and name not in NO_KERNEL:
+        out = func(*args, **(kwargs or {}))
+        if name in NO_KERNEL:
+            return out
+        # Under inference mode `reshape`, `contiguous`, `flatten` arrive whole, marked as views
+        # since they may alias, and `type_as` whole: one that returned new memory launched a copy.
+        if not (func.is_view or name in MAY_RETURN_INPUT) or _copied(args, out):
             self.ops[name] += 1
-        return func(*args, **(kwargs or {}))
+        return out
 
     @property
     def total(self) -> int:
         return sum(self.ops.values())
+
+
+def _copied(args: tuple, out: Any) -> bool:
+    """Whether a may-alias op's output lives in memory other than its input's."""
+    source = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    result = out if isinstance(out, torch.Tensor) else next((o for o in out if isinstance(o, torch.Tensor)), None)
+    if source is None or result is None:
+        return False
+    try:
+        return result.untyped_storage().data_ptr() != source.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # sparse or wrapper tensors: no storage to compare
+        return False
 
 
 @contextlib.contextmanager
