@@ -151,22 +151,28 @@ def test_inverted_is_the_complement_of_learned():
 # ---------------------------------------------------------------------------- attention router oracle
 
 
-@pytest.mark.parametrize("row", [None, 0, 2], ids=["padded-batch", "one-left-padded", "one"])
+@pytest.mark.parametrize(
+    "row", [None, 0, 2, "labels"], ids=["padded-batch", "one-left-padded", "one", "one-with-an-answer"]
+)
 @pytest.mark.parametrize("family", ["llava_next", "llava_onevision"])
 def test_attention_router_is_the_mean_eager_attention_from_instruction_tokens(family, row, spy_keys):
     """Keys at layer 2 = the dense model's own layer-2 attention map (eager), averaged over heads
     and instruction query rows; the selection is its top-k among image tokens. A padded batch reads
-    its query count; a batch of one sizes its query slots from shapes (padding and the system
-    prompt as filler slots), with the same keys."""
+    its query count; a batch of one sizes its query slots from shapes, padding and answer tokens
+    (labels given) as filler slots, with the same keys."""
     model, _ = _llava(family, "eager")
     inputs = _llava_inputs(family)
     if row is not None:
-        inputs = {name: value[row : row + 1] for name, value in inputs.items()}
+        inputs = {name: value[2 if row == "labels" else row :][:1] for name, value in inputs.items()}
+    if row == "labels":
+        inputs["labels"] = inputs["input_ids"].clone()
+        inputs["labels"][:, :-3] = -100  # the last 3 tokens are the answer
     mod = vlmod.apply_mod(copy.deepcopy(model), vlmod.MoDConfig(capacity=0.5, layers=[2], router="attention"))
     with torch.no_grad(), vlmod.trace_routing(mod) as trace:
         mod(**inputs)
         maps = model(**inputs, output_attentions=True).attentions[2]
     types, processed, keys = trace.token_types, trace.processed[("language", 2)], spy_keys[2]
+    assert (row == "labels") == bool((types == int(TokenType.RESPONSE)).any())
     for b in range(types.shape[0]):
         query = types[b] == int(TokenType.INSTRUCTION)
         image = types[b] == int(TokenType.IMAGE)
@@ -264,6 +270,22 @@ def test_attention_router_generates_and_decode_steps_run_every_token():
     image = inputs["input_ids"] == model.config.image_token_id
     for processed, _ in prefill.values():
         assert (processed & image).sum(1).tolist() == [_k(0.25, int(n)) for n in image.sum(1)]
+
+
+def test_attention_scores_take_queries_grouped_by_key_head():
+    """A plugin's queries [B, H, T, d] go through `by_key_head`; passed ungrouped they are a
+    ValueError that says so, not a failed unpacking."""
+    from vlmod.routing import AttentionQK, by_key_head, query_plan, received_attention
+
+    q, k = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 5, 8)
+    plan = query_plan(torch.arange(3).expand(1, 3), None, torch.ones(1, 5, dtype=torch.bool), False, 4)
+    keys = received_attention(AttentionQK(by_key_head(q, 2), k, 8**-0.5, False), plan)
+    expected = ((q @ k.repeat_interleave(2, dim=1).transpose(-1, -2)) * 8**-0.5).softmax(-1).mean((1, 2))
+    torch.testing.assert_close(keys, expected)
+    with pytest.raises(ValueError, match="by_key_head"):
+        received_attention(AttentionQK(q, k, 8**-0.5, False), plan)
+    with pytest.raises(ValueError, match="4 query heads cannot share 3 key heads"):
+        by_key_head(q, 3)
 
 
 def test_attention_router_is_a_value_error_without_query_tokens():

@@ -62,7 +62,7 @@ def test_the_attention_router_reads_nothing_the_learned_router_does_not():
     the learned router's does. A padded batch reads its query count once a forward."""
     learned, attention = host_cost("llava"), host_cost("llava", router="attention")
     assert attention.mod_prefill.syncs == learned.mod_prefill.syncs, attention.mod_prefill.by_sync
-    assert attention.prefill_per_layer <= 56.5, (attention.mod_prefill.by_op, learned.mod_prefill.by_op)
+    assert attention.prefill_per_layer <= 55.5, (attention.mod_prefill.by_op, learned.mod_prefill.by_op)
     assert attention.mod_decode.ops == learned.mod_decode.ops and attention.mod_decode.syncs == 0
 
 

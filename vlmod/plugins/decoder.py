@@ -440,7 +440,7 @@ class DecoderAdapter(SlotMasks):
                                      lambda: _joint_rope(rope, query_index, rows, groups))
         joint = torch.cat((q.reshape(batch, kv_heads, groups * t, attn.head_dim), k), dim=2)
         joint = rotate(joint, joint[:, :1], cos, sin)[0]  # the second: one key head's worth, discarded
-        q = joint[:, :, : groups * t].reshape(batch, heads, t, attn.head_dim)
+        q = joint[:, :, : groups * t].unflatten(2, (groups, t))  # views of the one rotated tensor
         k = joint[:, :, groups * t :]
         return AttentionQK(q=q, k=k, scale=attn.scaling, causal=True)
 

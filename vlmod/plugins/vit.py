@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from vlmod.config import MoDConfig, TokenType
 from vlmod.plugins.calls import ArgSlot
-from vlmod.routing.attention import AttentionQK
+from vlmod.routing.attention import AttentionQK, by_key_head
 from vlmod.routing.layer import MoDPart
 from vlmod.routing.selection import Selection, TokenLayout
 
@@ -147,4 +147,4 @@ class ViTAdapter:
         if self.mask is not None and self.mask.get(args, kwargs) is not None:
             raise ValueError("the attention router does not support ViT blocks called with an attention mask")
         q, k, scale = self.qk(block, x, query_index)
-        return AttentionQK(q=q, k=k, scale=scale, causal=False)
+        return AttentionQK(q=by_key_head(q, k.shape[1]), k=k, scale=scale, causal=False)

@@ -2,7 +2,14 @@
 
 It knows nothing of model families (vlmod.plugins) or of conversion (vlmod.api)."""
 
-from vlmod.routing.attention import AttentionQK, QueryPlan, attention_keys, query_plan, received_attention
+from vlmod.routing.attention import (
+    AttentionQK,
+    QueryPlan,
+    attention_keys,
+    by_key_head,
+    query_plan,
+    received_attention,
+)
 from vlmod.routing.router import Router, gate
 from vlmod.routing.schedule import capacity_to_k, layer_capacities
 from vlmod.routing.selection import Selection, TokenLayout, select_tokens
@@ -16,6 +23,7 @@ __all__ = [
     "Selection",
     "TokenLayout",
     "attention_keys",
+    "by_key_head",
     "capacity_to_k",
     "gate",
     "layer_capacities",

@@ -44,8 +44,11 @@ QUERY_TYPES = (TokenType.INSTRUCTION, TokenType.PREFIX)
 class AttentionQK(NamedTuple):
     """What a plugin computes for the attention router, in the layer's own attention space."""
 
-    q: Tensor  # [B, H, T, d] queries of the query tokens (RoPE / q-norm applied)
-    k: Tensor  # [B, H_kv, L, d] keys of every token; H a multiple of H_kv (grouped-query attention)
+    # [B, H_kv, G, T, d] queries of the query tokens (RoPE / q-norm applied), the G = H / H_kv query
+    # heads that read key head j at q[:, j] (transformers' repeat_kv order; `by_key_head` makes it
+    # from [B, H, T, d]); so grouped, a plugin that computes them beside the keys passes a view.
+    q: Tensor
+    k: Tensor  # [B, H_kv, L, d] keys of every token
     scale: float  # the layer's softmax scale (usually d ** -0.5)
     causal: bool  # a query sees only keys at or before its own position
 
@@ -93,8 +96,8 @@ def _query_tokens(layout: TokenLayout) -> tuple[Tensor, Tensor | None]:
     routable = layout.known_routable_count()
     if routable is not None:
         # One row whose routable count follows from shapes: every token that is not routable takes
-        # a query slot, the ones that are not queries (a system prompt, padding) as filler. No
-        # host read; the few extra rows of scores weigh 0.
+        # a query slot, the ones that are not queries (padding, answer tokens under labels) as
+        # filler. No host read; their rows of scores weigh 0.
         slots = max(length - routable, 1)
         slot_key = torch.where(layout.not_routable(), positions, positions + length)
         index = slot_key.topk(slots, dim=1, largest=False, sorted=True).indices
@@ -137,19 +140,26 @@ def query_plan(query_index: Tensor, query_valid: Tensor | None, key_valid: Tenso
     return QueryPlan(~allowed[:, None], weight)
 
 
+def by_key_head(q: Tensor, kv_heads: int) -> Tensor:
+    """[B, H, T, d] queries as `AttentionQK.q` takes them, [B, H_kv, G, T, d] (a view)."""
+    if q.shape[1] % kv_heads:
+        raise ValueError(f"{q.shape[1]} query heads cannot share {kv_heads} key heads")
+    return q.unflatten(1, (kv_heads, -1))
+
+
 def received_attention(qk: AttentionQK, plan: QueryPlan) -> Tensor:
     """[B, L] float32: mean over heads and valid queries of the softmax attention each key gets,
     `plan` (`query_plan`) saying which keys each query sees and how much each query weighs. Rows
     without a valid query get 0."""
+    if qk.q.dim() != 5:
+        raise ValueError(f"AttentionQK.q must be [B, H_kv, G, T, d], got {tuple(qk.q.shape)}: group [B, H, T, d] "
+                         "queries by key head with vlmod.routing.by_key_head")
     q, k = qk.q.float(), qk.k.float()
-    batch, heads, t, d = q.shape
-    kv_heads, length = k.shape[1], k.shape[2]
-    if heads % kv_heads:
-        raise ValueError(f"{heads} query heads cannot share {kv_heads} key heads")
-    # Query head h uses key head h // G (transformers' repeat_kv order): no copy of the keys.
-    groups = heads // kv_heads
-    logits = q.reshape(batch, kv_heads, groups * t, d) @ k.transpose(-1, -2)
-    logits = logits.view(batch, heads, t, length) * qk.scale
+    batch, kv_heads, groups, t, d = q.shape
+    length = k.shape[2]
+    # Each key head meets its G query heads in one product: no copy of the keys or the queries.
+    logits = q.flatten(2, 3) @ k.transpose(-1, -2)
+    logits = logits.view(batch, kv_heads * groups, t, length) * qk.scale
     probs = logits.masked_fill(plan.blocked, float("-inf")).softmax(-1)
     return torch.einsum("bhtl,bt->bl", probs, plan.weight)
 
@@ -161,7 +171,7 @@ def attention_keys(
     index, valid = query_tokens(layout)
     with torch.no_grad():
         qk = adapter.attention_qk(block, x, index, args, kwargs)
-        heads = qk.q.shape[1]
+        heads = qk.q.shape[1] * qk.q.shape[2]
         key_valid = layout.per_forward("attention keys", lambda: layout.token_types != int(TokenType.PADDING))
         plan = layout.per_forward(f"attention plan {qk.causal} {heads}",
                                   lambda: query_plan(index, valid, key_valid, qk.causal, heads))

@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from vlmod.config import TokenType
-from vlmod.routing.attention import AttentionQK, query_plan, received_attention
+from vlmod.routing.attention import AttentionQK, by_key_head, query_plan, received_attention
 from vlmod.routing.schedule import capacity_to_k_tensor
 from vlmod.routing.selection import TokenLayout, select_tokens
 from vlmod.routing.trace import find_parts
@@ -216,7 +216,8 @@ class PreLLMReduction(nn.Module):
             return t.view(frames, t.shape[1], heads, -1).transpose(1, 2)
 
         queries = h[:, :1] if cls_only else h
-        qk = AttentionQK(q=split(attn.q_proj(queries)), k=split(attn.k_proj(h)), scale=attn.scale, causal=False)
+        qk = AttentionQK(q=by_key_head(split(attn.q_proj(queries)), heads), k=split(attn.k_proj(h)), scale=attn.scale,
+                         causal=False)
         index = torch.arange(queries.shape[1], device=x.device).expand(frames, -1)
         keys = torch.ones(frames, length, dtype=torch.bool, device=x.device)
         return received_attention(qk, query_plan(index, None, keys, causal=False, heads=heads))[:, 1:]
