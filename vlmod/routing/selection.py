@@ -267,9 +267,9 @@ class TokenLayout:
 
 
 def routable_mask(token_types: Tensor, routable_types: Iterable[TokenType]) -> Tensor:
-    """[B, L] bool: the tokens of a routable type. One comparison per routable type (two at
-    most), not a tensor of ids: building one on the host and copying it to a GPU would be a host
-    sync in every forward."""
+    """[B, L] bool: the tokens of any of these types (the routable ones; the attention router's
+    query types too). One comparison per type (two at most), not a tensor of ids: building one on
+    the host and copying it to a GPU would be a host sync in every forward."""
     routable = None
     for t in routable_types:
         hit = token_types == int(t)
