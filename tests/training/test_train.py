@@ -277,6 +277,14 @@ def test_keeps_pair_with_capacities(workdir: Path, tmp_path: Path) -> None:
     with torch.no_grad():
         expected = PreLLMReduction(model, keep, "mean")(**batch).loss
     assert train(cfg, progress=False).history[0]["loss"] == pytest.approx(float(expected), rel=1e-5)
+    # Behind pooling: each step's loss is the pooled reduction's.
+    pooled = _cfg(workdir, tmp_path / "pooled", max_steps=1, reduce_keep=0.25, reduce_pool=2, reduce_scoring="deviation")
+    set_capacity(model, 0.5)
+    with torch.no_grad():
+        expected = PreLLMReduction(model, 0.25, "deviation", pool=2)(**batch).loss
+        plain = PreLLMReduction(model, 0.25, "deviation")(**batch).loss
+    assert abs(float(expected) - float(plain)) > 1e-4
+    assert train(pooled, progress=False).history[0]["loss"] == pytest.approx(float(expected), rel=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -289,6 +297,9 @@ def test_keeps_pair_with_capacities(workdir: Path, tmp_path: Path) -> None:
         ({"reduce_keep": 0.5, "reduce_scoring": "max"}, "reduce_scoring must be one of"),
         ({"reduce_keep": 0.5, "reduce_contextual": 1.0}, "reduce_contextual is the share of the kept slots"),
         ({"reduce_scoring": "cls"}, "reduce_keep is not"),
+        ({"reduce_keep": 0.2, "reduce_pool": 0}, "reduce_pool is the side of the square"),
+        ({"reduce_keep": 0.5, "reduce_pool": 2}, r"pooling 2 x 2 leaves 1/4 of the vision tokens; give keeps <= 0.25"),
+        ({"reduce_keep": 0.2, "reduce_pool": 2, "reduce_contextual": 0.1}, "two ways of merging"),
     ],
 )
 def test_reduction_settings_are_checked(workdir: Path, tmp_path: Path, settings: dict, message: str) -> None:

@@ -71,6 +71,8 @@ class TrainConfig:
         One process only. None: every vision token enters.
     reduce_contextual: the share of the kept slots that carry VisionZip's contextual tokens (the
         dropped tokens merged by similarity) behind that reduction; 0: the best ranked tokens only.
+    reduce_pool: that reduction first averages each frame's tokens in reduce_pool x reduce_pool
+        windows (every patch enters, pooled; each keep then at most 1 / reduce_pool ** 2); 1: none.
     """
 
     model: str
@@ -119,6 +121,7 @@ class TrainConfig:
     reduce_keep: float | list[float] | None = None
     reduce_scoring: str | None = None
     reduce_contextual: float = 0.0
+    reduce_pool: int = 1
 
     def __post_init__(self) -> None:
         choices = {
@@ -189,6 +192,15 @@ class TrainConfig:
         if not 0.0 <= self.reduce_contextual < 1.0:
             raise TrainError(f"reduce_contextual is the share of the kept slots that are merged, in [0, 1); "
                              f"got {brief(self.reduce_contextual)}")
+        if isinstance(self.reduce_pool, bool) or not isinstance(self.reduce_pool, int) or self.reduce_pool < 1:
+            raise TrainError(f"reduce_pool is the side of the square of tokens averaged into one, a whole number >= 1; "
+                             f"got {brief(self.reduce_pool)}")
+        if self.reduce_pool > 1 and self.reduce_keep is not None and any(k > 1 / self.reduce_pool**2 for k in keeps):
+            raise TrainError(f"reduce_keep {brief(self.reduce_keep)}: pooling {self.reduce_pool} x {self.reduce_pool} "
+                             f"leaves 1/{self.reduce_pool ** 2} of the vision tokens; give keeps <= "
+                             f"{1 / self.reduce_pool ** 2:g}")
+        if self.reduce_pool > 1 and self.reduce_contextual > 0:
+            raise TrainError("reduce_contextual and reduce_pool are two ways of merging the tokens: give one of them")
         if self.reduce_scoring is not None and self.reduce_keep is None:
             raise TrainError("reduce_scoring is set but reduce_keep is not: give the fraction of vision tokens to keep")
         if self.mod is not None:
