@@ -21,7 +21,7 @@ from vlmod.recipes.points import REDUCTION_METHODS
 from vlmod.recipes.recipe import RecipeSettings, run_recipe
 
 REDUCTIONS = {"reduce", "reduce-mean", "reduce-deviation"}
-METHODS = {"image": {"learned", "random", "stride", "attention", *REDUCTIONS, "stacked"},
+METHODS = {"image": {"learned", "random", "stride", "attention", *REDUCTIONS, "pool", "stacked"},
            "video": {"learned", "random", "stride", "attention", *REDUCTIONS, "reduce-novelty", "stacked", "frames"}}
 
 
@@ -79,6 +79,9 @@ def test_recipe_writes_every_method_at_every_compute_point(task: str, image_run:
         # `baseline_samples`: one mark each, so every gap is paired on the questions both answered.
         n = s.num_val if r["method"] in ("dense", "dense-control", "learned", "stacked") else s.baseline_samples
         assert len(r["correct"]) == r["samples"] == n and r["correct"].count("1") == round(r["accuracy"] * n)
+    for r in (r for r in rows if r["method"] == "pool"):  # every window, or fewer: never above its point's FLOPs
+        assert float(r["setting"].split("keep ")[1].split()[0]) <= 0.25
+        assert r["language_reduction"] >= r["target"] * (1 - REACH_TOLERANCE)
     tower = next(r for r in rows if r["method"] == "learned+vision")
     assert tower["gflops"]["vision"] < dense["gflops"]["vision"]
     # Both recipes' towers first learn the images' patches (vlmod.training.tower_pretrain), then go on learning.
@@ -188,6 +191,9 @@ def test_the_quick_detail_recipe_runs_every_method_at_every_point(router: str, t
         config = json.loads((out / run / "train_log.json").read_text())["config"]
         aux = ("attention", 0.1) if router == "learned" else (None, None)
         assert (config["aux_loss"], config["aux_loss_weight"]) == aux
+    # The stack on 2 x 2 pooling: every window kept, each (keep, capacity) drawn once.
+    assert (config["reduce_pool"], set(config["reduce_keep"])) == (2, {0.25})
+    assert len(set(config["capacities"])) == len(config["capacities"]) and 1.0 in config["capacities"]
     saved = json.loads((out / "results.json").read_text())
     rows = saved["results"]
     ours = {"mod-attention", "stacked-attention"} if router == "attention" else {"learned", "stacked"}
@@ -202,6 +208,8 @@ def test_the_quick_detail_recipe_runs_every_method_at_every_point(router: str, t
                 assert r["target"] * (1 - REACH_TOLERANCE) <= r["language_reduction"] <= r["target"] * 1.1
                 base = next(b for b in rows if b["method"] == "attention" and b["target"] == r["target"])
                 assert r["setting"] == base["setting"]  # the same capacity: the same prompts' counts here
+    stacked = [r for r in rows if r["method"] in ours and r["method"].startswith("stacked")]
+    assert stacked and all("keep 0.250" in r["setting"] and "(2 x 2 pooled)" in r["setting"] for r in stacked)
     dense = next(r for r in rows if r["method"] == "dense")
     assert set(dense["accuracy_by_type"]) == set(saved["settings"]["types"]) < set(DETAIL_TYPES)
     records = json.loads((out / "data" / "val.json").read_text())
@@ -428,6 +436,11 @@ def test_recipe_settings_refuse_bad_values(tmp_path: Path, capsys: pytest.Captur
         assert message in capsys.readouterr().err
     assert main(["recipe", "--quick", "--out", str(tmp_path / "run"), "--stack-share", "8:0.5"]) == 2
     assert "expected SHARE or TARGET=SHARE (e.g. 0.5 or 8=0.85), got '8:0.5'" in capsys.readouterr().err
+    for flags in (["--stack-share", "0.5"], ["--stack-train-share", "8=0.5"]):  # the detail stack pools: no split
+        assert main(["recipe", "--task", "detail", "--quick", "--out", str(tmp_path / "run"), *flags]) == 2
+        assert "with --stack-pool 2 the reduction keeps every pooled window: give --stack-pool 1" in capsys.readouterr().err
+    assert main(["recipe", "--quick", "--out", str(tmp_path / "run"), "--stack-pool", "3"]) == 2
+    assert "--stack-pool 3: the pictures' 8 x 8 patches do not split into 3 x 3 windows" in capsys.readouterr().err
     assert main(["recipe", "--quick", "--out", str(tmp_path / "run"), "--stack-scoring", "max"]) == 2
     assert "stack_scoring must be one of cls, mean, deviation, novelty, got 'max'" in capsys.readouterr().err
     assert main(["recipe", "--quick", "--out", str(tmp_path / "run"), "--reduce-contextual", "1"]) == 2

@@ -634,8 +634,10 @@ def test_attention_routed_points_count_the_routers_scoring() -> None:
     counts, layers = TokenCounts(text=10.0, vision=144), list(range(1, 8))
     scoring = attention_scoring_flops(dims, counts)
     dense = language_prefill_flops(dims, counts.total)
-    learned, _ = solve_points(dims, counts, RecipeSettings.for_task("detail", mod_router="learned"), layers, scoring)
-    attention, reach = solve_points(dims, counts, RecipeSettings.for_task("detail"), layers, scoring)
+    # The stack split by share (`stack_pool` 1): its capacity and keep both move with the scoring.
+    learned, _ = solve_points(dims, counts, RecipeSettings.for_task("detail", mod_router="learned", stack_pool=1), layers,
+                              scoring)
+    attention, reach = solve_points(dims, counts, RecipeSettings.for_task("detail", stack_pool=1), layers, scoring)
     assert "learned" not in reach and reach["mod-attention"] == reach["attention"] < reach["random"]
     assert reach["stacked-attention"] < max_reduction(dims, counts, "stacked", layers)
     for a, b in zip(attention, learned, strict=True):
@@ -674,6 +676,39 @@ def test_the_stacked_stage_trains_at_its_own_split() -> None:
     assert stack_training_points(dims, counts, same, layers, far) == [(p["stack_keep"], p["stack_capacity"]) for p in far]
     with pytest.raises(InputError, match="stack_train_share is the pre-LLM reduction's share of a stacked point"):
         RecipeSettings.for_task("video", stack_train_share={5.0: 1.5})
+
+
+def test_the_stack_on_pooling_keeps_every_window() -> None:
+    """`stack_pool` 2 (the detail recipe's): every stacked point keeps a quarter of the vision
+    tokens, MoD's capacity reaching the rest; a point the pooling alone passes runs at capacity
+    1.0, past it; the stacked stage draws each (keep, capacity) once."""
+    from vlmod.errors import InputError
+    from vlmod.evaluation.frontier import solve_stacked_at
+    from vlmod.recipes.points import solve_points, stack_training_points
+    from vlmod.recipes.settings import RecipeSettings
+
+    dims = DecoderDims(dim=128, layers=8, heads=8, kv_heads=2, head_dim=16, mlp_hidden=256, vocab=200)
+    counts, layers = TokenCounts(text=10.0, vision=144), list(range(1, 8))
+    s = RecipeSettings.for_task("detail")
+    assert s.stack_pool == 2
+    points, reach = solve_points(dims, counts, s, layers, 1e5)
+    dense = language_prefill_flops(dims, counts.total)
+    alone = dense / language_prefill_flops(dims, counts.text + 36)  # every window, nothing routed
+    for p in points:
+        assert p["stack_keep"] == 0.25
+        if p["target"] <= alone:
+            assert p["stack_capacity"] == 1.0
+        else:
+            flops = stacked_language_flops(dims, counts, 0.25, p["stack_capacity"], layers, None, attention=True)
+            assert p["target"] * (1 - REACH_TOLERANCE) <= dense / flops <= p["target"] * 1.1
+    assert {p["target"] for p in points if p["stack_capacity"] < 1.0} == {5.0, 8.0}
+    draws = stack_training_points(dims, counts, s, layers, points)
+    assert draws == [(0.25, 1.0)] + [(p["stack_keep"], p["stack_capacity"]) for p in points if p["target"] >= 5]
+    assert solve_stacked_at(dims, counts, 2 * reach["stacked-attention"], layers, None, 0.25, True) is None
+    with pytest.raises(InputError, match="the video model pools its frames already"):
+        RecipeSettings.for_task("video", stack_pool=2)
+    with pytest.raises(InputError, match=r"12 x 12 patches do not split into 5 x 5 windows"):
+        RecipeSettings.for_task("detail", stack_pool=5)
 
 
 def test_a_row_counts_the_whole_prefill() -> None:

@@ -54,6 +54,9 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("stack_scoring", str, "MoD stacked on pre-LLM reduction: its ranking, cls, mean (every query's attention), "
                            "deviation (each feature's distance from its frame's mean) or novelty (deviation, but "
                            "past a clip's first frame at most the distance from the same spot a frame earlier)"),
+    ("stack_pool", positive_int, "MoD stacked on pre-LLM reduction: average each picture's tokens in N x N windows "
+                                 "first and keep every window (LLaVA-OneVision's 2 x 2 pooling), MoD reaching the rest "
+                                 "of each point (1: the reduction drops tokens, --stack-share)"),
     ("reduce_contextual", non_negative_float, "the pre-LLM reduction baselines: the share of their kept tokens that "
                                               "are VisionZip's contextual tokens (the dropped ones merged)"),
     ("stack_steps", int_at_least(0), "MoD stacked on pre-LLM reduction: steps the MoD model trains on behind the "
@@ -181,7 +184,7 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                              "reduction, in log terms (0.5: each does the square root), MoD the rest; a bare SHARE "
                              "for every point, TARGET=SHARE for one (default: image "
                              f"{_shares(image.stack_share)}, video {_shares(vid.stack_share)}, detail "
-                             f"{_shares(detail.stack_share)})")
+                             f"{_shares(detail.stack_share)} with --stack-pool 1)")
     parser.add_argument("--stack-train-share", nargs="+", type=share_at_target, default=None, metavar="[TARGET=]SHARE",
                         help="the split the stacked stage trains at, as --stack-share; a target it does not name "
                              "trains where it runs (default: image "
@@ -299,6 +302,10 @@ def run_recipe_command(args: argparse.Namespace) -> int:
                                        stack_train_share=None)
     if args.stack_train_share is not None:
         settings = dataclasses.replace(settings, stack_train_share=stack_shares(args.stack_train_share, settings, True))
+    if settings.stack_pool > 1 and (args.stack_share is not None or args.stack_train_share is not None):
+        raise InputError(f"--stack-share splits each point between a reduction that drops tokens and MoD; with "
+                         f"--stack-pool {settings.stack_pool} the reduction keeps every pooled window: give "
+                         "--stack-pool 1 with --stack-share")
     if args.seeds is not None:
         return _run_seeds(args, settings)
     from vlmod.io.paths import check_output_dir

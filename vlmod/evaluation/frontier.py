@@ -44,6 +44,7 @@ METHOD_LABELS = {
     "reduce-mean": "pre-LLM reduction, every query's attention (VisionZip without a CLS)",
     "reduce-deviation": "pre-LLM reduction, features' deviation from their frame (training-free)",
     "reduce-novelty": "pre-LLM reduction, features' novelty since the last frame (training-free)",
+    "pool": "pre-LLM 2 x 2 average pooling, then deviation (LLaVA-OneVision-like, training-free)",
     "frames": "frame subsampling (dense)",
     "learned+vision": "MoD + vision tower MoD (attention router)",
     "dense-control": "dense, fine-tuned again as the MoD stage (control)",
@@ -160,6 +161,22 @@ def solve_stacked(dims: DecoderDims, counts: TokenCounts, reduction: float, laye
         keep = _whole_slots(_bisect(floor, MIN_FRACTION, keep, target, at_most=True), counts.vision)
         if not reaches(target * reduction / floor(keep), reduction):
             return None
+    overhead = attention_scoring_flops(dims, counts, keep) if attention else 0.0
+    return keep, _capacity_for(dims, _kept(counts, keep), target, layers, schedule, overhead)
+
+
+def solve_stacked_at(dims: DecoderDims, counts: TokenCounts, reduction: float, layers: Sequence[int],
+                     schedule: str | None, keep: float, attention: bool = False) -> tuple[float, float] | None:
+    """(keep, MoD capacity on the kept tokens) of MoD stacked on a reduction whose kept fraction
+    is fixed (pooling keeps every window) at dense / `reduction` LM FLOPs: capacity 1.0 where that
+    reduction alone passes the point (it runs past it, at fewer FLOPs), None where MoD at its floor
+    cannot reach it. `attention`: as `solve_stacked`."""
+    target = language_prefill_flops(dims, counts.total) / reduction
+    if reduce_language_flops(dims, counts, keep) <= target:
+        return keep, 1.0
+    floor = stacked_language_flops(dims, counts, keep, MIN_FRACTION, layers, schedule, attention)
+    if not reaches(target * reduction / floor, reduction):
+        return None
     overhead = attention_scoring_flops(dims, counts, keep) if attention else 0.0
     return keep, _capacity_for(dims, _kept(counts, keep), target, layers, schedule, overhead)
 
@@ -450,12 +467,12 @@ def plot_frontier(rows: Sequence[Mapping[str, Any]], path: str | Path, title: st
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), dpi=120, sharey=True)
     dense = next(r for r in rows if r["method"] == "dense")
-    markers = dict(zip(METHOD_LABELS, "*oos^vDdpPXh<>>", strict=True))
+    markers = dict(zip(METHOD_LABELS, "*oos^vDdpPHXh<>>", strict=True))
     # One colour a method (matplotlib's cycle has ten, and two curves sharing one read as one);
     # grey and black stay with dense, its control and the dense - 1 line.
     colours = dict(zip(METHOD_LABELS, ["black", "tab:blue", "royalblue", "tab:orange", "tab:green", "tab:red",
-                                       "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan", "navy", "gray",
-                                       "darkgoldenrod", "goldenrod"], strict=True))
+                                       "tab:purple", "tab:brown", "tab:pink", "tab:olive", "teal", "tab:cyan", "navy",
+                                       "gray", "darkgoldenrod", "goldenrod"], strict=True))
     for ax, axis, xlabel in ((axes[0], "language", "language-model prefill GFLOPs per sample"),
                              (axes[1], "total", "total prefill GFLOPs per sample (tower + projector + LM)")):
         for method in METHOD_LABELS:
@@ -493,5 +510,6 @@ __all__ = [
     "TokenCounts", "accuracy_on", "attention_scoring_flops", "curve_label", "format_frontier",
     "max_reduction",
     "mod_language_flops", "out_of_reach", "paired_gap", "plot_frontier", "reaches", "reduce_language_flops", "row", "solve_capacity",
-    "rows_evidence", "solve_frames", "solve_keep", "solve_stacked", "stacked_language_flops", "verdicts",
+    "rows_evidence", "solve_frames", "solve_keep", "solve_stacked", "solve_stacked_at", "stacked_language_flops",
+    "verdicts",
 ]

@@ -4,8 +4,9 @@ At each point (`vlmod.recipes.points`): the fine-tuned MoD model, the random and
 on its weights, the training-free attention router on the dense weights, pre-LLM reduction of
 the dense model (each ranking, with VisionZip's contextual tokens), MoD stacked on pre-LLM
 reduction (the MoD model behind a `PreLLMReduction`, its capacity a share of the kept tokens),
-frame subsampling (video); at the main point also the MoD model with its vision tower routed. A method that cannot reach a point
-gets an out-of-reach record instead of a row. Every row counts the whole prefill: the report's
+2 x 2 pooling of the dense model's tokens (pictures), frame subsampling (video); at the main point
+also the MoD model with its vision tower routed. A method that cannot reach a point gets an
+out-of-reach record instead of a row. Every row counts the whole prefill: the report's
 tower and language model plus the projector on the vision tokens the method fed it.
 """
 
@@ -19,7 +20,7 @@ from vlmod.api import apply_mod, set_capacity, set_router
 from vlmod.config import MoDConfig
 from vlmod.evaluation import frontier
 from vlmod.io.hf import load_pretrained
-from vlmod.recipes.points import ours, reachable, reduction_methods
+from vlmod.recipes.points import POOL, ours, reachable, reduction_methods
 from vlmod.tools.reduction import PreLLMReduction, reduction_flops
 
 
@@ -109,7 +110,9 @@ class PointEvaluations:
         their frame's mean and, on clips, their novelty since the last frame): these towers are
         trained from scratch under LLaVA, which reads only the patches, so nothing trains their
         CLS; which ranking is the stronger varies by model. A `reduce_contextual` share of the
-        kept slots are VisionZip's contextual tokens."""
+        kept slots are VisionZip's contextual tokens. On pictures also 2 x 2 pooling (every
+        window, or the best ranked by deviation where the point asks for fewer): where the point
+        asks for more than a quarter of the tokens it runs past it, at fewer FLOPs."""
         t = p["target"]
         for rank_by, method in reduction_methods(self.video).items():
             if self.skip(method, p):
@@ -120,10 +123,18 @@ class PointEvaluations:
             report.processed_fraction = {"kept": p["keep"]}
             contextual = f" ({self.s.reduce_contextual:g} contextual)" if self.s.reduce_contextual else ""
             self.add_row(method, t, f"keep {p['keep']:.3f}{contextual}", report)
+        if p.get("pool_keep") is not None and not self.skip("pool", p):
+            keep = p["pool_keep"]
+            reducer = PreLLMReduction(self.dense_model, keep, "deviation", pool=POOL)
+            report = self.stages.run("eval reduce", lambda: self.evaluated(
+                reducer, f"pool /{t:g}", baseline=True, flops_fn=reduction_flops))
+            report.processed_fraction = {"kept": keep}
+            self.add_row("pool", t, f"{POOL} x {POOL} pooled, keep {keep:.3f} by deviation", report)
 
     def evaluate_stacked(self, p: dict[str, Any]) -> None:
         """MoD stacked on pre-LLM reduction: the fine-tuned MoD model (trained on behind the
-        reduction where `stack_steps`) behind the reduction (ranked by `stack_scoring`), at the
+        reduction where `stack_steps`) behind the reduction (ranked by `stack_scoring`, pooled
+        `stack_pool` x `stack_pool` first where that is over 1), at the
         capacity that reaches the point on the kept tokens, on every question (ours, as MoD: the
         paired interval against dense needs them all); its FLOPs count each MoD layer on the
         tokens it ran."""
@@ -132,14 +143,16 @@ class PointEvaluations:
             return
         t, keep, cap = p["target"], p["stack_keep"], p["stack_capacity"]
         set_capacity(self.stack_model, cap)
-        reducer = PreLLMReduction(self.stack_model, keep, self.s.stack_scoring)
+        reducer = PreLLMReduction(self.stack_model, keep, self.s.stack_scoring, pool=self.s.stack_pool)
         report = self.stages.run("eval stacked", lambda: self.evaluated(  # ours: every question, as MoD
             reducer, f"stacked /{t:g}", flops_fn=reduction_flops))
         # Of all the vision tokens: the MoD layers' share of the kept ones, times the kept share.
         report.processed_fraction = {k: v * keep for k, v in report.processed_fraction.items()}
         behind = f", +{self.s.stack_steps} steps behind it" if self.stack != self.mod else ""
-        self.add_row(stack, t, f"keep {keep:.3f} by {self.s.stack_scoring}, capacity {cap:.3f} "
-                               f"(share {self.s.share_at(t):g}){behind}", report, extra_language_flops=self.mod_scoring(keep))
+        pool = self.s.stack_pool
+        split = f"{pool} x {pool} pooled" if pool > 1 else f"share {self.s.share_at(t):g}"
+        self.add_row(stack, t, f"keep {keep:.3f} by {self.s.stack_scoring}, capacity {cap:.3f} ({split}){behind}", report,
+                     extra_language_flops=self.mod_scoring(keep))
 
     def evaluate_frames(self, p: dict[str, Any]) -> None:
         """Frame subsampling of the dense model, against the dense model on every frame."""

@@ -26,6 +26,17 @@ REDUCTION_METHODS = {"cls": "reduce", "mean": "reduce-mean", "deviation": "reduc
                      "novelty": "reduce-novelty"}
 
 
+# The pooled baseline (`pool`): each image's tokens averaged 2 x 2 (LLaVA-OneVision's pooling), then
+# ranked by the features' deviation where the point asks for fewer than a quarter.
+POOL = 2
+
+
+def pooled_baseline(s: Any) -> bool:
+    """Whether a recipe of settings `s` runs the pooled baseline: on pictures (the video model
+    pools its frames already), where the patch grid's side divides by `POOL`."""
+    return s.task != "video" and (s.image_size // s.patch_size) % POOL == 0
+
+
 def reduction_methods(video: bool) -> dict[str, str]:
     """The rankings a recipe runs as baselines: novelty only on clips (on images it is deviation)."""
     return {k: v for k, v in REDUCTION_METHODS.items() if video or k != "novelty"}
@@ -38,10 +49,11 @@ def ours(mod_router: str) -> tuple[str, str]:
 
 def ceilings(dims: DecoderDims, counts: TokenCounts, layers: Sequence[int], schedule: str | None,
              scoring: float, video: bool, stacked: bool, others: TokenCounts | None = None,
-             mod_router: str = "learned") -> dict[str, float]:
+             mod_router: str = "learned", pooled: bool = False, stack_pool: int = 1) -> dict[str, float]:
     """Each method's largest LM prefill FLOPs reduction (`scoring`: the attention router's FLOPs
     per MoD layer): MoD's and the stack's on `counts`, the other methods' on `others` (the prompts
-    they answer). The random and stride routers on the MoD weights reach as far as a learned router."""
+    they answer). The random and stride routers on the MoD weights reach as far as a learned router.
+    `pooled`: the pooled baseline runs; `stack_pool` > 1: the stack keeps every pooled window."""
     others = others or counts
     mod = frontier.max_reduction(dims, counts, "mod", layers, schedule)
     attention = mod_router == "attention"
@@ -50,7 +62,12 @@ def ceilings(dims: DecoderDims, counts: TokenCounts, layers: Sequence[int], sche
            "attention": frontier.max_reduction(dims, others, "mod", layers, schedule, scoring)}
     out[alone] = frontier.max_reduction(dims, counts, "mod", layers, schedule, scoring if attention else 0.0)
     out.update(dict.fromkeys(reduction_methods(video).values(), frontier.max_reduction(dims, others, "reduce")))
-    if stacked:
+    if pooled:  # pooled, then ranked: as far as the reduction's one kept token
+        out["pool"] = out["reduce"]
+    if stacked and stack_pool > 1:  # MoD at its floor on every window
+        out[stack] = language_prefill_flops(dims, counts.total) / frontier.stacked_language_flops(
+            dims, counts, 1.0 / stack_pool**2, frontier.MIN_FRACTION, layers, schedule, attention)
+    elif stacked:
         out[stack] = frontier.max_reduction(dims, counts, "stacked", layers, schedule, attention=attention)
     if video:
         out["frames"] = frontier.max_reduction(dims, others, "frames")
@@ -67,7 +84,9 @@ def solve_points(dims: DecoderDims, counts: TokenCounts, s: Any, layers: Sequenc
     counted), else the same."""
     video, attention = s.task == "video", s.mod_router == "attention"
     alone, stack = ours(s.mod_router)
-    reach = ceilings(dims, counts, layers, s.schedule, scoring, video, s.stacked, others, s.mod_router)
+    pooled = pooled_baseline(s)
+    reach = ceilings(dims, counts, layers, s.schedule, scoring, video, s.stacked, others, s.mod_router, pooled,
+                     s.stack_pool)
     mod_counts, counts = counts, others or counts
     mod_dense, dense = language_prefill_flops(dims, mod_counts.total), language_prefill_flops(dims, counts.total)
     points = []
@@ -89,9 +108,11 @@ def solve_points(dims: DecoderDims, counts: TokenCounts, s: Any, layers: Sequenc
         if ok["reduce"]:
             p["keep"] = frontier.solve_keep(dims, counts, t)
             p["predicted"]["reduce"] = dense / frontier.reduce_language_flops(dims, counts, p["keep"])
+        if pooled and ok["pool"]:  # every window where the point asks for more: past the point, as pooling goes
+            p["pool_keep"] = min(p["keep"], 1.0 / POOL**2)
+            p["predicted"]["pool"] = dense / frontier.reduce_language_flops(dims, counts, p["pool_keep"])
         if s.stacked:
-            solved = (frontier.solve_stacked(dims, mod_counts, t, layers, s.schedule, s.share_at(t), attention)
-                      if ok[stack] else None)
+            solved = _solve_stack(dims, mod_counts, t, layers, s, s.share_at(t)) if ok[stack] else None
             p["stack_keep"], p["stack_capacity"] = solved or (None, None)
             if solved is None and stack not in p["out_of_reach"]:
                 p["out_of_reach"].append(stack)
@@ -107,22 +128,33 @@ def solve_points(dims: DecoderDims, counts: TokenCounts, s: Any, layers: Sequenc
     return points, reach
 
 
+def _solve_stack(dims: DecoderDims, counts: TokenCounts, target: float, layers: Sequence[int], s: Any,
+                 share: float) -> tuple[float, float] | None:
+    """The stack's (keep, capacity) at `target`: on every pooled window (`s.stack_pool` > 1), else
+    the reduction taking `share` of the point."""
+    attention = s.mod_router == "attention"
+    if s.stack_pool > 1:
+        return frontier.solve_stacked_at(dims, counts, target, layers, s.schedule, 1.0 / s.stack_pool**2, attention)
+    return frontier.solve_stacked(dims, counts, target, layers, s.schedule, share, attention)
+
+
 def stack_training_points(dims: DecoderDims, counts: TokenCounts, s: Any, layers: Sequence[int],
                           points: Sequence[dict[str, Any]]) -> list[tuple[float, float]]:
-    """(keep, capacity) the stacked stage trains at for each of `points`: their own, or solved at
-    the training split where `stack_train_share` differs from the split they run at."""
+    """(keep, capacity) the stacked stage trains at, each once, for `points`: their own, or solved
+    at the training split where `stack_train_share` differs from the split they run at (a pooled
+    stack has no split: its own). Points the pooling alone passes share one draw (capacity 1.0)."""
     draws = []
     for p in points:
         t, share = p["target"], s.share_at(p["target"], training=True)
-        if share == s.share_at(t):
+        if share == s.share_at(t) or s.stack_pool > 1:
             draws.append((p["stack_keep"], p["stack_capacity"]))
             continue
-        solved = frontier.solve_stacked(dims, counts, t, layers, s.schedule, share, s.mod_router == "attention")
+        solved = _solve_stack(dims, counts, t, layers, s, share)
         if solved is None:
             raise InputError(f"stack_train_share {share:g} cannot reach the stacked point at {t:g}x: give a share "
                              "that reaches it, or none (train where it runs)")
         draws.append(solved)
-    return draws
+    return list(dict.fromkeys(draws))
 
 
 def reachable(point: dict[str, Any], method: str) -> bool:
@@ -141,6 +173,8 @@ def describe_points(points: Sequence[dict[str, Any]]) -> list[str]:
                  f"reduction keeps {knob(p['keep'])}"]
         if p.get("mod_capacity", p["capacity"]) != p["capacity"]:  # ours attention-routed (`mod_router`): its own capacity
             parts.insert(1, f"ours (attention-routed MoD) {knob(p.get('mod_capacity'))}")
+        if p.get("pool_keep") is not None:
+            parts.append(f"pooled keeps {knob(p['pool_keep'])}")
         if p.get("stack_keep") is not None:
             parts.append(f"stacked keeps {knob(p['stack_keep'])} then capacity {knob(p.get('stack_capacity'))}")
         if "frames" in p:
@@ -152,5 +186,5 @@ def describe_points(points: Sequence[dict[str, Any]]) -> list[str]:
     return lines
 
 
-__all__ = ["REDUCTION_METHODS", "ceilings", "describe_points", "ours", "reachable", "reduction_methods", "solve_points",
-           "stack_training_points"]
+__all__ = ["POOL", "REDUCTION_METHODS", "ceilings", "describe_points", "ours", "pooled_baseline", "reachable",
+           "reduction_methods", "solve_points", "stack_training_points"]

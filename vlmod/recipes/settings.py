@@ -127,6 +127,10 @@ class RecipeSettings:
     # features' deviation; 8x 86.7 -> 90.0%; images 5x 73.2 -> 87.2%. Video's default, the
     # features' novelty since the last frame, takes 8x from 88.6% to 94.2% (all 2,520 questions).
     stack_scoring: str = "deviation"
+    # With N > 1 the stack's reduction averages each picture's tokens in N x N windows first and keeps
+    # every window (LLaVA-OneVision's 2 x 2 pooling), MoD reaching the rest of each point; a point the
+    # pooling alone passes runs at capacity 1.0, past it. 1: the reduction drops (`stack_share`).
+    stack_pool: int = 1
     # The share of the reduction baselines' kept slots that are VisionZip's contextual tokens (the
     # dropped ones merged by similarity; VisionZip keeps 54 dominant + 10 contextual of 64). Video
     # seed 0, first 420 questions, every query's attention: 55.0% -> 57.6% at 8x, +-0.3 up to 3.5x.
@@ -218,6 +222,11 @@ class RecipeSettings:
             # seed 1 91.2% at 8x (dense 91.0%); seed 0 79.1%, against 89.3% trained and run at 0.5, its 5x
             # 95.9% against 97.5%, and its loss 2.4x its running median at step 250 (docs/results.md).
             base.update(stack_share={8.0: 0.3})
+            # The stack on 2 x 2 pooling: a glyph over 2 x 2 patches stays whole (averaged), where dropping
+            # loses it: seed 0's stacked stage trained behind pooling (keep 0.25, capacities 1.0 and 5x's and
+            # 8x's) scored 97.4% at 3.96x, 5x and 8x (dense 96.7%), against 79.1% at 8x behind deviation at
+            # 0.3 and 89.3% at 0.5 (all 1,200 questions; docs/results.md).
+            base.update(stack_pool=2)
         if isoflop:
             # The check as docs/results.md reports it: MoD and dense from the same random tower.
             base.update(dense_steps=ISOFLOP_DENSE_STEPS, tower_steps=0)
@@ -282,6 +291,17 @@ class RecipeSettings:
                              f"{self.reduce_contextual}")
         if self.stack_scoring not in SCORINGS:
             raise InputError(f"stack_scoring must be one of {', '.join(SCORINGS)}, got {self.stack_scoring!r}")
+        if isinstance(self.stack_pool, bool) or not isinstance(self.stack_pool, int) or self.stack_pool < 1:
+            raise InputError(f"stack_pool is the side of the windows the stack pools, a whole number >= 1 (1: none), "
+                             f"got {self.stack_pool!r}")
+        if self.stack_pool > 1 and self.task == "video":
+            raise InputError("--stack-pool pools pictures: the video model pools its frames already; give --stack-pool 1 "
+                             "with --task video")
+        if self.stack_pool > 1 and (self.image_size // self.patch_size) % self.stack_pool:
+            side = self.image_size // self.patch_size
+            raise InputError(f"--stack-pool {self.stack_pool}: the pictures' {side} x {side} patches do not split into "
+                             f"{self.stack_pool} x {self.stack_pool} windows; give an --image-size whose patch grid "
+                             f"divides by {self.stack_pool}, or --stack-pool 1")
         if not 0 <= self.distractors <= MAX_DISTRACTORS:
             raise InputError(f"distractors is the number of extra shapes in an image scene, 0 to {MAX_DISTRACTORS}, got "
                              f"{self.distractors}")
