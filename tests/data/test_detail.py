@@ -365,3 +365,41 @@ def test_the_recipe_takes_faint_for_the_detail_task_only(tmp_path: Path, capsys:
     assert main(["recipe", "--task", "detail", "--quick", "--faint", "2", "--out", str(tmp_path / "run")]) == 2
     assert "expected a number in [0, 1], got 2" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_unaligned_cells_straddle_the_pooling_windows(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """`unaligned`: each picture's cells start 0 or 1 patch in on each axis (drawn per picture), so
+    a glyph still covers 2 x 2 patches (4 of 144 tokens) but mostly not one 2 x 2 pooling window;
+    off, the set is as before (no offset in any record or in meta.json)."""
+    from vlmod.cli import main
+    from vlmod.recipes.settings import RecipeSettings
+
+    out = tmp_path / "unaligned"
+    generate_detail(out, num_train=20, num_val=40, seed=3, scale=2, question_types=("digit",), layout="page",
+                    unaligned=True)
+    assert json.loads((out / "meta.json").read_text())["unaligned"] is True
+    _check_answers(out, scale=2)
+    offsets = []
+    for r in _records(out, "val"):
+        dy, dx = r["meta"].get("grid_offset", [0, 0])
+        offsets.append((dy, dx))
+        assert len(r["meta"]["answer_patches"]) == 4 and answer_share(r["meta"], 96, 8) == 4 / 144
+        for g in r["meta"]["glyphs"]:  # inside its cell of the shifted grid
+            x0, y0, x1, y1 = g["box"]
+            assert (x0 - dx) // 16 == (x1 - 1 - dx) // 16 and (y0 - dy) // 16 == (y1 - 1 - dy) // 16
+        rows = {p // 12 for p in r["meta"]["answer_patches"]}
+        cols = {p % 12 for p in r["meta"]["answer_patches"]}
+        assert min(rows) % 2 == dy // 8 and min(cols) % 2 == dx // 8  # off the windows where the grid is off
+    assert set(offsets) == {(0, 0), (0, 8), (8, 0), (8, 8)}
+    aligned = tmp_path / "aligned"
+    generate_detail(aligned, num_train=4, num_val=4, seed=3, scale=2, question_types=("digit",), layout="page")
+    assert "unaligned" not in json.loads((aligned / "meta.json").read_text())
+    assert not any("grid_offset" in r["meta"] for r in _records(aligned, "val"))
+    assert RecipeSettings.for_task("detail", unaligned=True).unaligned
+    with pytest.raises(InputError, match="give them with --task detail, not --task image"):
+        RecipeSettings.for_task("image", unaligned=True)
+    with pytest.raises(InputError, match="a cell of one patch has no grid to leave: give --glyph-scale 2"):
+        RecipeSettings.for_task("detail", unaligned=True, glyph_scale=1, types=("digit",))
+    assert main(["recipe", "--task", "detail", "--quick", "--unaligned", "--glyph-scale", "1",
+                 "--out", str(tmp_path / "run")]) == 2
+    assert "a cell of one patch has no grid to leave" in capsys.readouterr().err

@@ -197,6 +197,10 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     parser.add_argument("--question-first", action=argparse.BooleanOptionalAction, default=None,
                         help="detail task: each prompt puts the question before the picture (default: "
                              f"{'on' if detail.question_first else 'off'})")
+    parser.add_argument("--unaligned", action=argparse.BooleanOptionalAction, default=None,
+                        help="detail task: each picture's glyph cells start 0 to glyph-scale - 1 patches in (drawn), "
+                             "so glyphs straddle 2 x 2 pooling windows as text does on real pictures (default: "
+                             f"{'on' if detail.unaligned else 'off'})")
     parser.add_argument("--layout", choices=tuple(LAYOUTS), default=None,
                         help="detail task: scene (a few glyphs among large shapes) or page (glyphs filling the "
                              f"picture like text) (default: {detail.layout})")
@@ -275,7 +279,7 @@ def run_recipe_command(args: argparse.Namespace) -> int:
         overrides["routers"] = tuple(args.routers)
     if args.threads is not None:
         overrides["threads"] = args.threads
-    for flag in ("captions", "stacked", "dense_tower", "question_first"):
+    for flag in ("captions", "stacked", "dense_tower", "question_first", "unaligned"):
         if getattr(args, flag) is not None:
             overrides[flag] = getattr(args, flag)
     if args.no_distill:

@@ -175,12 +175,14 @@ def answer_share(meta: dict[str, Any], image_size: int, patch_size: int) -> floa
     return len(patches) / (image_size // patch_size) ** 2
 
 
-def _free_cells(alphas: list[np.ndarray], size: int, patch: int, spaced: bool = True) -> np.ndarray:
-    """[grid, grid] bool: the patch cells that no large shape (its coverage in `alphas`) touches,
-    off the picture's border if `spaced`."""
+def _free_cells(alphas: list[np.ndarray], size: int, patch: int, spaced: bool = True,
+                offset: tuple[int, int] = (0, 0)) -> np.ndarray:
+    """[rows, columns] bool: the cells of side `patch` (the grid starting `offset` (y, x) px into the
+    picture) that no large shape (its coverage in `alphas`) touches, off the border if `spaced`."""
     cover = np.sum(alphas, axis=0) if alphas else np.zeros((size, size), dtype=np.float32)
-    g = size // patch
-    free = cover.reshape(g, patch, g, patch).max(axis=(1, 3)) == 0.0
+    rows, cols = (size - offset[0]) // patch, (size - offset[1]) // patch
+    cover = cover[offset[0]:offset[0] + rows * patch, offset[1]:offset[1] + cols * patch]
+    free = cover.reshape(rows, patch, cols, patch).max(axis=(1, 3)) == 0.0
     if spaced:
         free[0, :] = free[-1, :] = free[:, 0] = free[:, -1] = False
     return free
@@ -250,10 +252,11 @@ def _plan_items(rng: np.random.Generator, qtype: str, answer: str, glyph_range: 
 
 
 def _draw_item(rng: np.random.Generator, img: np.ndarray, item: dict[str, Any], cell: tuple[int, int],
-               patch: int, contrast: float = 1.0) -> dict[str, Any]:
-    """Draw a glyph or marker inside `cell` (random offset, never leaving it) at `contrast` (its
-    colour's weight over what lies under it); its record with its box."""
-    x_cell, y_cell = cell[1] * patch, cell[0] * patch
+               patch: int, contrast: float = 1.0, offset: tuple[int, int] = (0, 0)) -> dict[str, Any]:
+    """Draw a glyph or marker inside `cell` (of the grid starting `offset` (y, x) px in; a random
+    place in the cell, never leaving it) at `contrast` (its colour's weight over what lies under
+    it); its record with its box."""
+    x_cell, y_cell = offset[1] + cell[1] * patch, offset[0] + cell[0] * patch
     scale = patch // MIN_PATCH
     if "digit" in item:
         mask = glyph_mask(item["digit"], scale)
@@ -275,11 +278,14 @@ def _draw_item(rng: np.random.Generator, img: np.ndarray, item: dict[str, Any], 
 
 def detail_sample(rng: np.random.Generator, qtype: str, answer: str, size: int = DEFAULT_IMAGE_SIZE,
                   patch: int = DEFAULT_PATCH_SIZE, curriculum: bool = False, scale: int = 1,
-                  layout: str = "scene", contrast: float = 1.0) -> tuple[np.ndarray, str, dict[str, Any]]:
+                  layout: str = "scene", contrast: float = 1.0,
+                  offset: tuple[int, int] = (0, 0)) -> tuple[np.ndarray, str, dict[str, Any]]:
     """(image uint8 [size, size, 3], question, meta) of one fine-detail question whose answer is
     `answer`; `curriculum`: the clutter drawn from the training split's wider ranges (none to most);
     `scale`: every glyph and marker drawn `scale` times larger in a cell of scale x scale patches;
-    `layout`: a name of LAYOUTS; `contrast`: every glyph's and marker's (1: solid; below, faint)."""
+    `layout`: a name of LAYOUTS; `contrast`: every glyph's and marker's (1: solid; below, faint);
+    `offset`: (y, x) px where the cells' grid starts (whole patches: a glyph still covers its cell's
+    scale x scale patches; off a multiple of the cell, its cell straddles 2 x 2 pooling windows)."""
     if qtype not in DETAIL_TYPES:
         raise ValueError(f"unknown fine-detail question type {qtype!r}; types: {', '.join(DETAIL_TYPES)}")
     if answer not in DETAIL_ANSWERS[qtype]:
@@ -294,18 +300,20 @@ def detail_sample(rng: np.random.Generator, qtype: str, answer: str, size: int =
             large.append({"shape": SHAPES[int(rng.integers(len(SHAPES)))], "color": colors[int(rng.integers(len(colors)))],
                           "center": [round(cx, 3), round(cy, 3)], "radius": round(r, 3)})
         alphas = [shape_alpha(o["shape"], *o["center"], o["radius"], size) for o in large]
-        cells = _pick_cells(rng, _free_cells(alphas, size, cell, lay.spaced), [len(targets), len(clutter)], lay.spaced)
+        cells = _pick_cells(rng, _free_cells(alphas, size, cell, lay.spaced, offset), [len(targets), len(clutter)],
+                            lay.spaced)
         if cells is not None:
             break
     img = background(rng, size)
     for o, alpha in zip(large, alphas, strict=True):  # as `scenes.paint`, on the coverage computed once
         composite(img, alpha, o["color"])
-    drawn = [_draw_item(rng, img, item, at, cell, contrast) for item, at in zip(targets + clutter, cells, strict=False)]
+    drawn = [_draw_item(rng, img, item, at, cell, contrast, offset)
+             for item, at in zip(targets + clutter, cells, strict=False)]
     boxes = [d["box"] for d in drawn[:len(targets)]]
     meta = {"type": qtype, "objects": large + [d for d in drawn if "shape" in d],
             "glyphs": [d for d in drawn if "digit" in d], "answer_boxes": boxes, "patch_size": patch,
             "cell_size": cell, "answer_patches": sorted({p for b in boxes for p in box_patches(b, size, patch)}),
-            **({"contrast": contrast} if contrast != 1.0 else {})}
+            **({"contrast": contrast} if contrast != 1.0 else {}), **({"grid_offset": list(offset)} if any(offset) else {})}
     return to_uint8(img), question, meta
 
 
@@ -327,7 +335,7 @@ def generate_detail(out_dir: str | Path, num_train: int, num_val: int, image_siz
                     patch_size: int = DEFAULT_PATCH_SIZE, seed: int = 0,
                     question_types: Sequence[str] = DETAIL_TYPES, curriculum: bool = True, captions: bool = False,
                     scale: int = 1, question_first: bool = False, layout: str = "scene", faint: float = 0.0,
-                    progress: bool = False) -> Any:
+                    unaligned: bool = False, progress: bool = False) -> Any:
     """Write the fine-detail set to `out_dir` (the module doc) and say what was written
     (`synthetic.SyntheticSummary`). `curriculum`: the training pictures' clutter from none to the
     validation set's most (`Layout`); `captions`: a caption record (`caption`) beside each training
@@ -335,7 +343,9 @@ def generate_detail(out_dir: str | Path, num_train: int, num_val: int, image_siz
     `question_first`: each prompt puts the question before the picture, so every vision token can
     attend to the words that name what to find; `layout`: a name of LAYOUTS (`check_layout`); `faint`:
     the share of pictures (of each split) whose glyphs and markers are drawn at a contrast uniform
-    in FAINT_CONTRAST (drawn from a stream of their own: a picture is the same but for its contrast).
+    in FAINT_CONTRAST (drawn from a stream of their own: a picture is the same but for its contrast);
+    `unaligned`: each picture's cells start 0 to scale - 1 patches in, each axis drawn (a stream of
+    their own), so most glyphs straddle 2 x 2 pooling windows as text does on real pictures.
     Refuses a resolution whose answers could exceed MAX_ANSWER_SHARE of the vision tokens
     (`check_resolution`). Same arguments, same bytes."""
     from tqdm.auto import tqdm
@@ -371,9 +381,12 @@ def generate_detail(out_dir: str | Path, num_train: int, num_val: int, image_siz
             records, names = [], set()
             for i, (qtype, answer) in enumerate(plan):
                 contrast = _contrast(np.random.default_rng([seed, code, 3, i]), faint)
+                offset = ((np.random.default_rng([seed, code, 4, i]).integers(0, scale, size=2) * patch_size)
+                          if unaligned else (0, 0))
                 img, question, meta = detail_sample(np.random.default_rng([seed, code, 2, i]), qtype, answer,
                                                     image_size, patch_size, curriculum=curriculum and split == "train",
-                                                    scale=scale, layout=layout, contrast=contrast)
+                                                    scale=scale, layout=layout, contrast=contrast,
+                                                    offset=(int(offset[0]), int(offset[1])))
                 name = f"{i:06d}.png"
                 _write_png(folder / name, img)
                 names.add(name)
@@ -392,6 +405,7 @@ def generate_detail(out_dir: str | Path, num_train: int, num_val: int, image_siz
     _write_json(out / "meta.json", {
         "generator": "vlmod.data.detail", "seed": seed, "image_size": image_size, "patch_size": patch_size,
         "glyph_scale": scale, "question_first": question_first, "layout": layout, "faint": faint,
+        **({"unaligned": True} if unaligned else {}),
         "faint_contrast": list(FAINT_CONTRAST), "max_answer_share": MAX_ANSWER_SHARE,
         "curriculum": curriculum, "captions": captions, "question_types": list(qtypes), "questions": DETAIL_QUESTIONS,
         "answers": {k: list(v) for k, v in DETAIL_ANSWERS.items()}, "splits": splits,

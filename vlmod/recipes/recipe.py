@@ -190,7 +190,8 @@ class _Recipe(PointEvaluations):
         elif s.task == "detail":  # the fine-detail set: the image task's stages on small glyphs and markers
             generate_detail(self.data, s.num_train, s.num_val, image_size=s.image_size, patch_size=s.patch_size,
                             seed=s.seed, captions=s.captions, scale=s.glyph_scale, question_types=s.types,
-                            question_first=s.question_first, layout=s.layout, faint=s.faint, progress=self.progress)
+                            question_first=s.question_first, layout=s.layout, faint=s.faint, unaligned=s.unaligned,
+                            progress=self.progress)
         else:
             generate(self.data, s.num_train, s.num_val, image_size=s.image_size, distractors=s.distractors, seed=s.seed,
                      captions=s.captions, progress=self.progress)

@@ -28,7 +28,7 @@ DENSE_SETTINGS = (
     "vision_width", "vision_layers", "patch_size", "tower_steps", "dense_steps", "dense_lr", "dense_tower", "weight_decay",
     "batch_size", "seed",
     "image_steps", "num_train_images", "image_batch_size", "image_model", "glyph_scale", "types", "question_first",
-    "layout", "faint",
+    "layout", "faint", "unaligned",
 )
 REFINE_SETTINGS = ("refine_steps",)
 DENSE_RUN, REFINED_RUN = "dense", "dense-refined"

@@ -61,6 +61,9 @@ class RecipeSettings:
     question_first: bool = False  # the fine-detail prompts put the question before the picture
     layout: str = "scene"  # the fine-detail pictures' layout (`vlmod.data.detail.LAYOUTS`)
     faint: float = 0.0  # the share of fine-detail pictures drawn faint (`vlmod.data.detail.FAINT_CONTRAST`)
+    # The fine-detail cells' grid starts 0 to glyph_scale - 1 patches in, drawn per picture, so glyphs
+    # straddle the 2 x 2 pooling windows (on the grid, pooling keeps every glyph whole: docs/data.md).
+    unaligned: bool = False
     width: int = 128
     layers: int = 8
     heads: int = 8
@@ -315,9 +318,12 @@ class RecipeSettings:
             if not 0.0 <= self.faint <= 1.0:
                 raise InputError(f"--faint is the share of pictures drawn faint, 0 to 1, got {self.faint}")
         elif (self.glyph_scale != 1 or self.types is not None or self.question_first or self.layout != "scene"
-              or self.faint):
-            raise InputError(f"--glyph-scale, --types, --question-first, --layout and --faint shape the fine-detail "
-                             f"set: give them with --task detail, not --task {self.task}")
+              or self.faint or self.unaligned):
+            raise InputError(f"--glyph-scale, --types, --question-first, --layout, --faint and --unaligned shape the "
+                             f"fine-detail set: give them with --task detail, not --task {self.task}")
+        if self.unaligned and self.glyph_scale < 2:
+            raise InputError("--unaligned moves the cells off the 2 x 2 grid of glyph-scale-2 glyphs; a cell of one "
+                             "patch has no grid to leave: give --glyph-scale 2 or more")
         if self.task == "video" and self.frames < 2:  # else the data stage's ValueError, as a traceback
             raise InputError(f"frames is the frames of a clip, >= 2 for the video task's moving objects, got "
                              f"{self.frames}")
