@@ -210,6 +210,9 @@ def test_the_quick_detail_recipe_runs_every_method_at_every_point(router: str, t
                 assert r["setting"] == base["setting"]  # the same capacity: the same prompts' counts here
     stacked = [r for r in rows if r["method"] in ours and r["method"].startswith("stacked")]
     assert stacked and all("keep 0.250" in r["setting"] and "(2 x 2 pooled)" in r["setting"] for r in stacked)
+    for r in (r for r in stacked if "capacity 1.000" in r["setting"]):  # every window runs: nothing scored
+        pooled = next(b for b in rows if b["method"] == "pool" and b["target"] == r["target"])
+        assert r["language_reduction"] == pytest.approx(pooled["language_reduction"], rel=0.01)
     dense = next(r for r in rows if r["method"] == "dense")
     assert set(dense["accuracy_by_type"]) == set(saved["settings"]["types"]) < set(DETAIL_TYPES)
     records = json.loads((out / "data" / "val.json").read_text())

@@ -137,8 +137,9 @@ def stacked_language_flops(dims: DecoderDims, counts: TokenCounts, keep: float, 
                            layers: Sequence[int], schedule: str | None, attention: bool = False) -> float:
     """Language prefill FLOPs of MoD at mean `capacity` on what a pre-LLM reduction keeping `keep`
     of the vision tokens leaves (the capacity is a share of the kept tokens); `attention`: its
-    layers rank by the attention router, whose scoring on the kept tokens counts too."""
-    overhead = attention_scoring_flops(dims, counts, keep) if attention else 0.0
+    layers rank by the attention router, whose scoring on the kept tokens counts too (below
+    capacity 1.0: at 1.0 every token runs and the router scores nothing, `LayerRouting.keys`)."""
+    overhead = attention_scoring_flops(dims, counts, keep) if attention and capacity < 1.0 else 0.0
     return mod_language_flops(dims, _kept(counts, keep), capacity, layers, schedule, overhead)
 
 

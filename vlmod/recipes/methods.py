@@ -152,7 +152,7 @@ class PointEvaluations:
         pool = self.s.stack_pool
         split = f"{pool} x {pool} pooled" if pool > 1 else f"share {self.s.share_at(t):g}"
         self.add_row(stack, t, f"keep {keep:.3f} by {self.s.stack_scoring}, capacity {cap:.3f} ({split}){behind}", report,
-                     extra_language_flops=self.mod_scoring(keep))
+                     extra_language_flops=self.mod_scoring(keep) if cap < 1.0 else 0.0)  # at 1.0 nothing is scored
 
     def evaluate_frames(self, p: dict[str, Any]) -> None:
         """Frame subsampling of the dense model, against the dense model on every frame."""
