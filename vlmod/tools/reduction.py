@@ -210,9 +210,8 @@ class PreLLMReduction(nn.Module):
     def _pooled(self, features: Tensor, images: int) -> tuple[Tensor, Tensor]:
         """(features [N, D] with each window's mean at its first patch, anchors [N]: those first
         patches); the other patches' features are left as they are and never kept."""
-        pooled = self._window_means(features, images).to(features.dtype)
-        per_frame = features.shape[0] // images
-        side = int(round(per_frame**0.5))
+        pooled = self._window_means(features, images).to(features.dtype)  # checks the grid
+        side = int(round((features.shape[0] // images) ** 0.5))
         cell = torch.arange(side, device=features.device) % self.pool == 0
         anchors = (cell[:, None] & cell[None, :]).flatten().repeat(images)
         return features.masked_scatter(anchors.unsqueeze(-1), pooled), anchors
