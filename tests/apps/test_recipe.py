@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 import vlmod
 from vlmod.data.synthetic_video import TEMPORAL_TYPES
 from vlmod.errors import InputError
-from vlmod.evaluation.frontier import REACH_TOLERANCE
+from vlmod.evaluation.knobs import REACH_TOLERANCE
 from vlmod.recipes.points import REDUCTION_METHODS
 from vlmod.recipes.recipe import RecipeSettings, run_recipe
 

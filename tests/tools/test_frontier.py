@@ -23,7 +23,7 @@ from vlmod.data.synthetic_video import (
     video_sample,
 )
 from vlmod.evaluation.evaluate import evaluate
-from vlmod.evaluation.frontier import (
+from vlmod.evaluation.knobs import (
     REACH_TOLERANCE,
     TokenCounts,
     max_reduction,
@@ -626,7 +626,7 @@ def test_attention_routed_points_count_the_routers_scoring() -> None:
     """`mod_router` attention: ours (MoD alone and stacked) solve their capacities with the
     attention router's scoring counted (on the tokens each layer sees), so they land on the point
     at lower capacities than a learned router's; the random and stride rows keep the learned one's."""
-    from vlmod.evaluation.frontier import attention_scoring_flops
+    from vlmod.evaluation.knobs import attention_scoring_flops
     from vlmod.recipes.points import solve_points
     from vlmod.recipes.settings import RecipeSettings
 
@@ -683,7 +683,7 @@ def test_the_stack_on_pooling_keeps_every_window() -> None:
     tokens, MoD's capacity reaching the rest; a point the pooling alone passes runs at capacity
     1.0, past it; the stacked stage draws each (keep, capacity) once."""
     from vlmod.errors import InputError
-    from vlmod.evaluation.frontier import solve_stacked_at
+    from vlmod.evaluation.knobs import solve_stacked_at
     from vlmod.recipes.points import solve_points, stack_training_points
     from vlmod.recipes.settings import RecipeSettings
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from vlmod.errors import InputError
-from vlmod.evaluation import frontier
+from vlmod.evaluation import frontier, knobs
 from vlmod.evaluation.evidence import chance_accuracy, verdict_evidence
 from vlmod.io.files import write_json, write_text
 from vlmod.io.hf import load_pretrained
@@ -44,7 +44,7 @@ def isoflop_models(recipe: Any) -> list[dict[str, Any]]:
     every_other = list(range(1, s.layers, 2))
     recipe_layers = list(range(1, s.layers))
     counts = token_counts(recipe.val_set(s.frames), s)
-    goal = frontier.solve_capacity(dims, counts, s.goal, recipe_layers, s.schedule)
+    goal = knobs.solve_capacity(dims, counts, s.goal, recipe_layers, s.schedule)
     return [
         {"name": "paper", "layers": every_other, "capacity": PAPER_CAPACITY, "schedule": None,
          "setting": f"the MoD paper's: capacity {PAPER_CAPACITY:g}, every other layer"},

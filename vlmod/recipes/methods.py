@@ -18,7 +18,7 @@ import torch
 
 from vlmod.api import apply_mod, set_capacity, set_router
 from vlmod.config import MoDConfig
-from vlmod.evaluation import frontier
+from vlmod.evaluation import frontier, knobs
 from vlmod.io.hf import load_pretrained
 from vlmod.recipes.points import POOL, ours, reachable, reduction_methods
 from vlmod.tools.reduction import PreLLMReduction, reduction_flops
@@ -103,7 +103,7 @@ class PointEvaluations:
         (a pre-LLM reduction keeping `keep` before them) where the MoD stages train it, else none."""
         if self.s.mod_router != "attention":
             return 0.0
-        return len(self.result.layers) * frontier.attention_scoring_flops(self.dims, self.counts, keep)
+        return len(self.result.layers) * knobs.attention_scoring_flops(self.dims, self.counts, keep)
 
     def evaluate_reduction(self, p: dict[str, Any]) -> None:
         """Pre-LLM reduction with each ranking (VisionZip's two, the features' deviation from

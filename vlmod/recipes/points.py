@@ -1,8 +1,8 @@
 """The recipe's compute points: for each target reduction of language-model prefill FLOPs, each
-method's knob (`vlmod.evaluation.frontier` solves them), and which methods cannot reach it.
+method's knob (`vlmod.evaluation.knobs` solves them), and which methods cannot reach it.
 
 Every knob has a floor (one token per MoD layer, one kept token, one frame), so each method has a
-largest reduction (`ceilings`); a point past a method's (within `frontier.REACH_TOLERANCE`) gets
+largest reduction (`ceilings`); a point past a method's (within `knobs.REACH_TOLERANCE`) gets
 no knob for it, and the recipe reports it as out of reach instead of evaluating a point that
 lands elsewhere. Layer 0 stays dense (the engine's rule: transformers sizes every layer's causal
 mask and positions from layer 0's KV cache), and the text always runs, so MoD alone stops short:
@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from vlmod.errors import InputError
-from vlmod.evaluation import frontier
-from vlmod.evaluation.frontier import TokenCounts
+from vlmod.evaluation import frontier, knobs
+from vlmod.evaluation.knobs import TokenCounts
 from vlmod.tools.flops import DecoderDims, language_prefill_flops
 
 # The baseline row of each ranking of the pre-LLM reduction (`vlmod.tools.reduction.SCORINGS`):
@@ -55,22 +55,22 @@ def ceilings(dims: DecoderDims, counts: TokenCounts, layers: Sequence[int], sche
     they answer). The random and stride routers on the MoD weights reach as far as a learned router.
     `pooled`: the pooled baseline runs; `stack_pool` > 1: the stack keeps every pooled window."""
     others = others or counts
-    mod = frontier.max_reduction(dims, counts, "mod", layers, schedule)
+    mod = knobs.max_reduction(dims, counts, "mod", layers, schedule)
     attention = mod_router == "attention"
     alone, stack = ours(mod_router)
     out = {"random": mod, "stride": mod,
-           "attention": frontier.max_reduction(dims, others, "mod", layers, schedule, scoring)}
-    out[alone] = frontier.max_reduction(dims, counts, "mod", layers, schedule, scoring if attention else 0.0)
-    out.update(dict.fromkeys(reduction_methods(video).values(), frontier.max_reduction(dims, others, "reduce")))
+           "attention": knobs.max_reduction(dims, others, "mod", layers, schedule, scoring)}
+    out[alone] = knobs.max_reduction(dims, counts, "mod", layers, schedule, scoring if attention else 0.0)
+    out.update(dict.fromkeys(reduction_methods(video).values(), knobs.max_reduction(dims, others, "reduce")))
     if pooled:  # pooled, then ranked: as far as the reduction's one kept token
         out["pool"] = out["reduce"]
     if stacked and stack_pool > 1:  # MoD at its floor on every window
-        out[stack] = language_prefill_flops(dims, counts.total) / frontier.stacked_language_flops(
-            dims, counts, 1.0 / stack_pool**2, frontier.MIN_FRACTION, layers, schedule, attention)
+        out[stack] = language_prefill_flops(dims, counts.total) / knobs.stacked_language_flops(
+            dims, counts, 1.0 / stack_pool**2, knobs.MIN_FRACTION, layers, schedule, attention)
     elif stacked:
-        out[stack] = frontier.max_reduction(dims, counts, "stacked", layers, schedule, attention=attention)
+        out[stack] = knobs.max_reduction(dims, counts, "stacked", layers, schedule, attention=attention)
     if video:
-        out["frames"] = frontier.max_reduction(dims, others, "frames")
+        out["frames"] = knobs.max_reduction(dims, others, "frames")
     return out
 
 
@@ -91,36 +91,36 @@ def solve_points(dims: DecoderDims, counts: TokenCounts, s: Any, layers: Sequenc
     mod_dense, dense = language_prefill_flops(dims, mod_counts.total), language_prefill_flops(dims, counts.total)
     points = []
     for t in s.targets:
-        ok = {m: frontier.reaches(c, t) for m, c in reach.items()}
+        ok = {m: knobs.reaches(c, t) for m, c in reach.items()}
         p: dict[str, Any] = {"target": t, "capacity": None, "mod_capacity": None, "attention_capacity": None,
                              "keep": None, "predicted": {}, "out_of_reach": sorted(m for m, yes in ok.items() if not yes)}
         if ok["random"]:
-            p["capacity"] = frontier.solve_capacity(dims, mod_counts, t, layers, s.schedule)
+            p["capacity"] = knobs.solve_capacity(dims, mod_counts, t, layers, s.schedule)
         if ok[alone]:
             overhead = scoring if attention else 0.0
-            p["mod_capacity"] = frontier.solve_capacity(dims, mod_counts, t, layers, s.schedule, overhead)
-            p["predicted"][alone] = mod_dense / frontier.mod_language_flops(dims, mod_counts, p["mod_capacity"], layers,
+            p["mod_capacity"] = knobs.solve_capacity(dims, mod_counts, t, layers, s.schedule, overhead)
+            p["predicted"][alone] = mod_dense / knobs.mod_language_flops(dims, mod_counts, p["mod_capacity"], layers,
                                                                              s.schedule, overhead)
         if ok["attention"]:
-            p["attention_capacity"] = frontier.solve_capacity(dims, counts, t, layers, s.schedule, scoring)
-            p["predicted"]["attention"] = dense / frontier.mod_language_flops(
+            p["attention_capacity"] = knobs.solve_capacity(dims, counts, t, layers, s.schedule, scoring)
+            p["predicted"]["attention"] = dense / knobs.mod_language_flops(
                 dims, counts, p["attention_capacity"], layers, s.schedule, scoring)
         if ok["reduce"]:
-            p["keep"] = frontier.solve_keep(dims, counts, t)
-            p["predicted"]["reduce"] = dense / frontier.reduce_language_flops(dims, counts, p["keep"])
+            p["keep"] = knobs.solve_keep(dims, counts, t)
+            p["predicted"]["reduce"] = dense / knobs.reduce_language_flops(dims, counts, p["keep"])
         if pooled and ok["pool"]:  # every window where the point asks for more: past the point, as pooling goes
             p["pool_keep"] = min(p["keep"], 1.0 / POOL**2)
-            p["predicted"]["pool"] = dense / frontier.reduce_language_flops(dims, counts, p["pool_keep"])
+            p["predicted"]["pool"] = dense / knobs.reduce_language_flops(dims, counts, p["pool_keep"])
         if s.stacked:
             solved = _solve_stack(dims, mod_counts, t, layers, s, s.share_at(t)) if ok[stack] else None
             p["stack_keep"], p["stack_capacity"] = solved or (None, None)
             if solved is None and stack not in p["out_of_reach"]:
                 p["out_of_reach"].append(stack)
             if solved is not None:
-                p["predicted"][stack] = mod_dense / frontier.stacked_language_flops(dims, mod_counts, *solved,
+                p["predicted"][stack] = mod_dense / knobs.stacked_language_flops(dims, mod_counts, *solved,
                                                                                    layers, s.schedule, attention)
         if video:
-            p["frames"] = frontier.solve_frames(dims, counts, t) if ok["frames"] else None
+            p["frames"] = knobs.solve_frames(dims, counts, t) if ok["frames"] else None
             if p["frames"] is not None:
                 p["predicted"]["frames"] = dense / language_prefill_flops(
                     dims, counts.text + p["frames"] * counts.vision / counts.frames)
@@ -134,8 +134,8 @@ def _solve_stack(dims: DecoderDims, counts: TokenCounts, target: float, layers: 
     the reduction taking `share` of the point."""
     attention = s.mod_router == "attention"
     if s.stack_pool > 1:
-        return frontier.solve_stacked_at(dims, counts, target, layers, s.schedule, 1.0 / s.stack_pool**2, attention)
-    return frontier.solve_stacked(dims, counts, target, layers, s.schedule, share, attention)
+        return knobs.solve_stacked_at(dims, counts, target, layers, s.schedule, 1.0 / s.stack_pool**2, attention)
+    return knobs.solve_stacked(dims, counts, target, layers, s.schedule, share, attention)
 
 
 def stack_training_points(dims: DecoderDims, counts: TokenCounts, s: Any, layers: Sequence[int],

@@ -48,7 +48,7 @@ from vlmod.data.detail import generate_detail
 from vlmod.data.synthetic import generate
 from vlmod.data.synthetic_video import TEMPORAL_TYPES
 from vlmod.errors import InputError
-from vlmod.evaluation import frontier
+from vlmod.evaluation import frontier, knobs
 from vlmod.evaluation.evaluate import evaluate
 from vlmod.evaluation.set_checks import (
     answer_blanked_report,
@@ -107,7 +107,7 @@ class _Stages:
 def token_counts(dataset: Any, s: RecipeSettings, limit: int = 64) -> Any:
     """Mean text and vision tokens of the eval prompts of `dataset` (a `LlavaDataset`, the first
     `limit` records)."""
-    from vlmod.evaluation.frontier import TokenCounts
+    from vlmod.evaluation.knobs import TokenCounts
 
     records = dataset.records[:limit]
     media = dataset.processor.tokenizer.convert_tokens_to_ids("<video>" if s.task == "video" else "<image>")
@@ -369,7 +369,7 @@ class _Recipe(PointEvaluations):
     def solve_points(self) -> None:
         """For each target reduction: each method's knob, or out of reach (`vlmod.recipes.points`)."""
         s, counts = self.s, self.counts
-        self.scoring = frontier.attention_scoring_flops(self.dims, counts)  # per MoD layer
+        self.scoring = knobs.attention_scoring_flops(self.dims, counts)  # per MoD layer
         self.result.points, self.result.ceilings = solve_points(self.dims, counts, s, self.result.layers, self.scoring,
                                                                 self.baseline_counts)
         reached = [p for p in self.result.points if p["mod_capacity"] is not None]
