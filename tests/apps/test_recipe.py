@@ -173,7 +173,8 @@ def test_the_quick_recipes_reach_5x_and_8x_or_say_they_cannot(image_run: tuple, 
 
 
 @pytest.mark.parametrize("router", ["attention", "learned"])
-def test_the_quick_detail_recipe_runs_every_method_at_every_point(router: str, tmp_path: Path) -> None:
+def test_the_quick_detail_recipe_runs_every_method_at_every_point(router: str, tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
     """`vlmod recipe --task detail --quick`: the image task's stages on the fine-detail set (96 px,
     8 px patches: 144 vision tokens an image), every method at every point or out of reach, the
     tower pretrained on each patch's digit too, the recipe's detail types scored. Its MoD stages
@@ -210,9 +211,16 @@ def test_the_quick_detail_recipe_runs_every_method_at_every_point(router: str, t
                 assert r["setting"] == base["setting"]  # the same capacity: the same prompts' counts here
     stacked = [r for r in rows if r["method"] in ours and r["method"].startswith("stacked")]
     assert stacked and all("keep 0.250" in r["setting"] and "(2 x 2 pooled)" in r["setting"] for r in stacked)
-    for r in (r for r in stacked if "capacity 1.000" in r["setting"]):  # every window runs: nothing scored
+    past = [r for r in stacked if "capacity 1.000" in r["setting"]]
+    for r in past:  # every window runs: nothing scored
         pooled = next(b for b in rows if b["method"] == "pool" and b["target"] == r["target"])
         assert r["language_reduction"] == pytest.approx(pooled["language_reduction"], rel=0.01)
+    # The points the pooling alone passes are one evaluation, each row its answers.
+    assert len(past) > 1 and len({(r["correct"], r["accuracy"], r["language_reduction"]) for r in past}) == 1
+    first = min(r["target"] for r in past)
+    log = capsys.readouterr().out
+    assert all(f"stacked /{r['target']:g}: as stacked /{first:g}" in log for r in past if r["target"] != first)
+    assert log.count(f"stacked /{first:g}: accuracy") == 1
     dense = next(r for r in rows if r["method"] == "dense")
     assert set(dense["accuracy_by_type"]) == set(saved["settings"]["types"]) < set(DETAIL_TYPES)
     records = json.loads((out / "data" / "val.json").read_text())

@@ -12,6 +12,7 @@ tower and language model plus the projector on the vision tokens the method fed 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,10 +28,12 @@ from vlmod.tools.reduction import PreLLMReduction, reduction_flops
 class PointEvaluations:
     """The methods' evaluations, mixed into the recipe's `_Recipe`: they read its settings (`s`),
     stages, result, dense model, compute points, token counts (`counts`), the projector's FLOPs
-    per vision token (`projector_per_token`) and the attention router's scoring FLOPs (`scoring`)."""
+    per vision token (`projector_per_token`) and the attention router's scoring FLOPs (`scoring`),
+    and log to its `log`."""
 
     s: Any
     stages: Any
+    log: Callable[[str], None]
     result: Any
     mod: Any  # the fine-tuned MoD model's folder
     stack: Any  # the stacked method's: the MoD model's, or the stage's that trained it on behind the reduction
@@ -55,8 +58,19 @@ class PointEvaluations:
         self.result.unreachable.append(frontier.out_of_reach(method, point["target"], self.result.ceilings[method]))
         return True
 
+    def evaluated_once(self, key: tuple[Any, ...], stage: str, name: str, run: Callable[[], Any]) -> Any:
+        """`run`'s report, evaluated once per `key` (method, kept fraction, capacity): points a
+        method runs past (the stack at capacity 1.0, pooling's every window) are one evaluation."""
+        if key in self.reports:
+            self.log(f"   {name}: as {self.reports[key][0]} (the same model, kept tokens and capacity)")
+            return self.reports[key][1]
+        report = self.stages.run(stage, run)
+        self.reports[key] = (name, report)
+        return report
+
     def evaluate_points(self) -> None:
         s, stages, result = self.s, self.stages, self.result
+        self.reports: dict[tuple[Any, ...], tuple[str, Any]] = {}
         self.mod_model = mod_model = load_pretrained(self.mod).eval()
         # The stacked method's model: the MoD model trained on behind the reduction (`stack_steps`), or itself.
         self.stack_model = mod_model if self.stack == self.mod else load_pretrained(self.stack).eval()
@@ -125,10 +139,13 @@ class PointEvaluations:
             self.add_row(method, t, f"keep {p['keep']:.3f}{contextual}", report)
         if p.get("pool_keep") is not None and not self.skip("pool", p):
             keep = p["pool_keep"]
-            reducer = PreLLMReduction(self.dense_model, keep, "deviation", pool=POOL)
-            report = self.stages.run("eval reduce", lambda: self.evaluated(
-                reducer, f"pool /{t:g}", baseline=True, flops_fn=reduction_flops))
-            report.processed_fraction = {"kept": keep}
+
+            def run_pool() -> Any:
+                reducer = PreLLMReduction(self.dense_model, keep, "deviation", pool=POOL)
+                report = self.evaluated(reducer, f"pool /{t:g}", baseline=True, flops_fn=reduction_flops)
+                report.processed_fraction = {"kept": keep}
+                return report
+            report = self.evaluated_once(("pool", keep), "eval reduce", f"pool /{t:g}", run_pool)
             self.add_row("pool", t, f"{POOL} x {POOL} pooled, keep {keep:.3f} by deviation", report)
 
     def evaluate_stacked(self, p: dict[str, Any]) -> None:
@@ -142,12 +159,15 @@ class PointEvaluations:
         if self.skip(stack, p):
             return
         t, keep, cap = p["target"], p["stack_keep"], p["stack_capacity"]
-        set_capacity(self.stack_model, cap)
-        reducer = PreLLMReduction(self.stack_model, keep, self.s.stack_scoring, pool=self.s.stack_pool)
-        report = self.stages.run("eval stacked", lambda: self.evaluated(  # ours: every question, as MoD
-            reducer, f"stacked /{t:g}", flops_fn=reduction_flops))
-        # Of all the vision tokens: the MoD layers' share of the kept ones, times the kept share.
-        report.processed_fraction = {k: v * keep for k, v in report.processed_fraction.items()}
+
+        def run_stacked() -> Any:
+            set_capacity(self.stack_model, cap)
+            reducer = PreLLMReduction(self.stack_model, keep, self.s.stack_scoring, pool=self.s.stack_pool)
+            report = self.evaluated(reducer, f"stacked /{t:g}", flops_fn=reduction_flops)  # ours: every question
+            # Of all the vision tokens: the MoD layers' share of the kept ones, times the kept share.
+            report.processed_fraction = {k: v * keep for k, v in report.processed_fraction.items()}
+            return report
+        report = self.evaluated_once((stack, keep, cap), "eval stacked", f"stacked /{t:g}", run_stacked)
         behind = f", +{self.s.stack_steps} steps behind it" if self.stack != self.mod else ""
         pool = self.s.stack_pool
         split = f"{pool} x {pool} pooled" if pool > 1 else f"share {self.s.share_at(t):g}"
