@@ -21,8 +21,9 @@ from vlmod.recipes.points import REDUCTION_METHODS
 from vlmod.recipes.recipe import RecipeSettings, run_recipe
 
 REDUCTIONS = {"reduce", "reduce-mean", "reduce-deviation"}
-METHODS = {"image": {"learned", "random", "stride", "attention", *REDUCTIONS, "pool", "stacked"},
-           "video": {"learned", "random", "stride", "attention", *REDUCTIONS, "reduce-novelty", "stacked", "frames"}}
+METHODS = {"image": {"learned", "random", "stride", "attention", *REDUCTIONS, "merge", "pool", "stacked"},
+           "video": {"learned", "random", "stride", "attention", *REDUCTIONS, "reduce-novelty", "merge", "stacked",
+                     "frames"}}
 
 
 @pytest.fixture(scope="module")
@@ -179,12 +180,13 @@ def test_the_quick_detail_recipe_runs_every_method_at_every_point(router: str, t
     8 px patches: 144 vision tokens an image), every method at every point or out of reach, the
     tower pretrained on each patch's digit too, the recipe's detail types scored. Its MoD stages
     train the attention router (the default) or the learned one, taught the attention router's
-    choice (`--router-aux`)."""
+    choice (`--router-aux`); the stack on 2 x 2 pooling (the default) or on merging (`--stack-merge`,
+    with the learned router)."""
     from vlmod.cli import main
     from vlmod.data.detail import DETAIL_TYPES, MAX_ANSWER_SHARE, answer_share
 
     out = tmp_path / "detail"
-    flags = [] if router == "attention" else ["--mod-router", "learned", "--router-aux", "0.1"]
+    flags = [] if router == "attention" else ["--mod-router", "learned", "--router-aux", "0.1", "--stack-merge"]
     assert main(["recipe", "--task", "detail", "--quick", *flags, "--out", str(out), "--no-progress"]) == 0
     for model in ("converted", "mod/model", "stack/model"):
         assert json.loads((out / model / "config.json").read_text())["vlmod"]["language"]["router"] == router
@@ -192,9 +194,12 @@ def test_the_quick_detail_recipe_runs_every_method_at_every_point(router: str, t
         config = json.loads((out / run / "train_log.json").read_text())["config"]
         aux = ("attention", 0.1) if router == "learned" else (None, None)
         assert (config["aux_loss"], config["aux_loss_weight"]) == aux
-    # The stack on 2 x 2 pooling: every window kept, each (keep, capacity) drawn once.
-    assert (config["reduce_pool"], set(config["reduce_keep"])) == (2, {0.25})
-    assert len(set(config["capacities"])) == len(config["capacities"]) and 1.0 in config["capacities"]
+    # The stack on 2 x 2 pooling: every window kept, each (keep, capacity) drawn once; or on merging.
+    if router == "attention":
+        assert (config["reduce_pool"], set(config["reduce_keep"]), config["reduce_merge"]) == (2, {0.25}, False)
+        assert len(set(config["capacities"])) == len(config["capacities"]) and 1.0 in config["capacities"]
+    else:
+        assert (config["reduce_pool"], config["reduce_merge"]) == (1, True) and len(set(config["reduce_keep"])) > 1
     saved = json.loads((out / "results.json").read_text())
     rows = saved["results"]
     ours = {"mod-attention", "stacked-attention"} if router == "attention" else {"learned", "stacked"}
@@ -210,17 +215,12 @@ def test_the_quick_detail_recipe_runs_every_method_at_every_point(router: str, t
                 base = next(b for b in rows if b["method"] == "attention" and b["target"] == r["target"])
                 assert r["setting"] == base["setting"]  # the same capacity: the same prompts' counts here
     stacked = [r for r in rows if r["method"] in ours and r["method"].startswith("stacked")]
-    assert stacked and all("keep 0.250" in r["setting"] and "(2 x 2 pooled)" in r["setting"] for r in stacked)
-    past = [r for r in stacked if "capacity 1.000" in r["setting"]]
-    for r in past:  # every window runs: nothing scored
-        pooled = next(b for b in rows if b["method"] == "pool" and b["target"] == r["target"])
-        assert r["language_reduction"] == pytest.approx(pooled["language_reduction"], rel=0.01)
-    # The points the pooling alone passes are one evaluation, each row its answers.
-    assert len(past) > 1 and len({(r["correct"], r["accuracy"], r["language_reduction"]) for r in past}) == 1
-    first = min(r["target"] for r in past)
-    log = capsys.readouterr().out
-    assert all(f"stacked /{r['target']:g}: as stacked /{first:g}" in log for r in past if r["target"] != first)
-    assert log.count(f"stacked /{first:g}: accuracy") == 1
+    merged = [r for r in rows if r["method"] == "merge"]
+    assert merged and all(r["setting"].endswith(" merged") for r in merged)
+    if router == "learned":
+        assert stacked and all(" merged, capacity" in r["setting"] and "(share " in r["setting"] for r in stacked)
+    else:
+        _check_the_pooled_stack(stacked, rows, capsys.readouterr().out)
     dense = next(r for r in rows if r["method"] == "dense")
     assert set(dense["accuracy_by_type"]) == set(saved["settings"]["types"]) < set(DETAIL_TYPES)
     records = json.loads((out / "data" / "val.json").read_text())
@@ -242,6 +242,20 @@ def test_the_quick_detail_recipe_runs_every_method_at_every_point(router: str, t
     vision = [k for k in tower if "vision_tower" in k]
     assert vision and all(torch.equal(tower[k], dense[k]) for k in vision)
     assert not all(torch.equal(tower[k], dense[k]) for k in tower if "language_model" in k)
+
+
+def _check_the_pooled_stack(stacked: list[dict], rows: list[dict], log: str) -> None:
+    """The stack on 2 x 2 pooling: a quarter kept (every window); the points the pooling alone
+    passes are one evaluation, each row its answers, logged once."""
+    assert stacked and all("keep 0.250" in r["setting"] and "(2 x 2 pooled)" in r["setting"] for r in stacked)
+    past = [r for r in stacked if "capacity 1.000" in r["setting"]]
+    for r in past:  # every window runs: nothing scored
+        pooled = next(b for b in rows if b["method"] == "pool" and b["target"] == r["target"])
+        assert r["language_reduction"] == pytest.approx(pooled["language_reduction"], rel=0.01)
+    assert len(past) > 1 and len({(r["correct"], r["accuracy"], r["language_reduction"]) for r in past}) == 1
+    first = min(r["target"] for r in past)
+    assert all(f"stacked /{r['target']:g}: as stacked /{first:g}" in log for r in past if r["target"] != first)
+    assert log.count(f"stacked /{first:g}: accuracy") == 1
 
 
 def test_the_demo_model_installs_from_a_recipe_run(image_run: tuple) -> None:
@@ -450,6 +464,11 @@ def test_recipe_settings_refuse_bad_values(tmp_path: Path, capsys: pytest.Captur
     for flags in (["--stack-share", "0.5"], ["--stack-train-share", "8=0.5"]):  # the detail stack pools: no split
         assert main(["recipe", "--task", "detail", "--quick", "--out", str(tmp_path / "run"), *flags]) == 2
         assert "with --stack-pool 2 the reduction keeps every pooled window: give --stack-pool 1" in capsys.readouterr().err
+    with pytest.raises(InputError, match="--stack-merge and --stack-pool 2 are two ways of merging"):
+        RecipeSettings.for_task("detail", stack_merge=True)  # the detail stack pools unless told otherwise
+    assert main(["recipe", "--task", "detail", "--quick", "--out", str(tmp_path / "run"), "--stack-merge",
+                 "--stack-pool", "2"]) == 2
+    assert "give --stack-pool 1 with --stack-merge" in capsys.readouterr().err
     assert main(["recipe", "--quick", "--out", str(tmp_path / "run"), "--stack-pool", "3"]) == 2
     assert "--stack-pool 3: the pictures' 8 x 8 patches do not split into 3 x 3 windows" in capsys.readouterr().err
     assert main(["recipe", "--quick", "--out", str(tmp_path / "run"), "--stack-scoring", "max"]) == 2

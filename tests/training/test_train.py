@@ -285,6 +285,13 @@ def test_keeps_pair_with_capacities(workdir: Path, tmp_path: Path) -> None:
         plain = PreLLMReduction(model, 0.25, "deviation")(**batch).loss
     assert abs(float(expected) - float(plain)) > 1e-4
     assert train(pooled, progress=False).history[0]["loss"] == pytest.approx(float(expected), rel=1e-5)
+    # Behind merging: the merged reduction's.
+    merged = _cfg(workdir, tmp_path / "merged", max_steps=1, reduce_keep=0.25, reduce_merge=True,
+                  reduce_scoring="deviation")
+    with torch.no_grad():
+        expected = PreLLMReduction(model, 0.25, "deviation", merge=True)(**batch).loss
+    assert abs(float(expected) - float(plain)) > 1e-4
+    assert train(merged, progress=False).history[0]["loss"] == pytest.approx(float(expected), rel=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -300,6 +307,8 @@ def test_keeps_pair_with_capacities(workdir: Path, tmp_path: Path) -> None:
         ({"reduce_keep": 0.2, "reduce_pool": 0}, "reduce_pool is the side of the square"),
         ({"reduce_keep": 0.5, "reduce_pool": 2}, r"pooling 2 x 2 leaves 1/4 of the vision tokens; give keeps <= 0.25"),
         ({"reduce_keep": 0.2, "reduce_pool": 2, "reduce_contextual": 0.1}, "two ways of merging"),
+        ({"reduce_keep": 0.2, "reduce_pool": 2, "reduce_merge": True}, "each a way of merging the tokens"),
+        ({"reduce_keep": 0.2, "reduce_merge": "yes"}, "reduce_merge is true or false"),
     ],
 )
 def test_reduction_settings_are_checked(workdir: Path, tmp_path: Path, settings: dict, message: str) -> None:

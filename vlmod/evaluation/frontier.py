@@ -29,6 +29,7 @@ METHOD_LABELS = {
     "reduce-mean": "pre-LLM reduction, every query's attention (VisionZip without a CLS)",
     "reduce-deviation": "pre-LLM reduction, features' deviation from their frame (training-free)",
     "reduce-novelty": "pre-LLM reduction, features' novelty since the last frame (training-free)",
+    "merge": "pre-LLM token merging by similarity (ToMe-like, training-free)",
     "pool": "pre-LLM 2 x 2 average pooling, then deviation (LLaVA-OneVision-like, training-free)",
     "frames": "frame subsampling (dense)",
     "learned+vision": "MoD + vision tower MoD (attention router)",
@@ -279,11 +280,11 @@ def plot_frontier(rows: Sequence[Mapping[str, Any]], path: str | Path, title: st
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), dpi=120, sharey=True)
     dense = next(r for r in rows if r["method"] == "dense")
-    markers = dict(zip(METHOD_LABELS, "*oos^vDdpPHXh<>>", strict=True))
+    markers = dict(zip(METHOD_LABELS, "*oos^vDdpP8HXh<>>", strict=True))
     # One colour a method (matplotlib's cycle has ten, and two curves sharing one read as one);
     # grey and black stay with dense, its control and the dense - 1 line.
     colours = dict(zip(METHOD_LABELS, ["black", "tab:blue", "royalblue", "tab:orange", "tab:green", "tab:red",
-                                       "tab:purple", "tab:brown", "tab:pink", "tab:olive", "teal", "tab:cyan", "navy",
+                                       "tab:purple", "tab:brown", "tab:pink", "tab:olive", "crimson", "teal", "tab:cyan", "navy",
                                        "gray", "darkgoldenrod", "goldenrod"], strict=True))
     for ax, axis, xlabel in ((axes[0], "language", "language-model prefill GFLOPs per sample"),
                              (axes[1], "total", "total prefill GFLOPs per sample (tower + projector + LM)")):

@@ -124,19 +124,22 @@ class PointEvaluations:
         their frame's mean and, on clips, their novelty since the last frame): these towers are
         trained from scratch under LLaVA, which reads only the patches, so nothing trains their
         CLS; which ranking is the stronger varies by model. A `reduce_contextual` share of the
-        kept slots are VisionZip's contextual tokens. On pictures also 2 x 2 pooling (every
-        window, or the best ranked by deviation where the point asks for fewer): where the point
-        asks for more than a quarter of the tokens it runs past it, at fewer FLOPs."""
+        kept slots are VisionZip's contextual tokens. Then the same keep merged instead of dropped
+        (ToMe-like: each frame's most alike tokens merge until the keep is left). On pictures also 2 x 2
+        pooling (every window, or the best ranked by deviation where the point asks for fewer):
+        where the point asks for more than a quarter of the tokens it runs past it, at fewer FLOPs."""
         t = p["target"]
-        for rank_by, method in reduction_methods(self.video).items():
+        contextual = f" ({self.s.reduce_contextual:g} contextual)" if self.s.reduce_contextual else ""
+        for rank_by, method in [*reduction_methods(self.video).items(), ("deviation", "merge")]:
             if self.skip(method, p):
                 continue
-            reducer = PreLLMReduction(self.dense_model, p["keep"], rank_by, self.s.reduce_contextual)
+            merge = method == "merge"
+            reducer = PreLLMReduction(self.dense_model, p["keep"], rank_by, 0.0 if merge else self.s.reduce_contextual,
+                                      merge=merge)
             report = self.stages.run("eval reduce", lambda r=reducer, n=f"{method} /{t:g}": self.evaluated(
                 r, n, baseline=True, flops_fn=reduction_flops))
             report.processed_fraction = {"kept": p["keep"]}
-            contextual = f" ({self.s.reduce_contextual:g} contextual)" if self.s.reduce_contextual else ""
-            self.add_row(method, t, f"keep {p['keep']:.3f}{contextual}", report)
+            self.add_row(method, t, f"keep {p['keep']:.3f}" + (" merged" if merge else contextual), report)
         if p.get("pool_keep") is not None and not self.skip("pool", p):
             keep = p["pool_keep"]
 
@@ -162,7 +165,8 @@ class PointEvaluations:
 
         def run_stacked() -> Any:
             set_capacity(self.stack_model, cap)
-            reducer = PreLLMReduction(self.stack_model, keep, self.s.stack_scoring, pool=self.s.stack_pool)
+            reducer = PreLLMReduction(self.stack_model, keep, self.s.stack_scoring, pool=self.s.stack_pool,
+                                      merge=self.s.stack_merge)
             report = self.evaluated(reducer, f"stacked /{t:g}", flops_fn=reduction_flops)  # ours: every question
             # Of all the vision tokens: the MoD layers' share of the kept ones, times the kept share.
             report.processed_fraction = {k: v * keep for k, v in report.processed_fraction.items()}
@@ -171,7 +175,8 @@ class PointEvaluations:
         behind = f", +{self.s.stack_steps} steps behind it" if self.stack != self.mod else ""
         pool = self.s.stack_pool
         split = f"{pool} x {pool} pooled" if pool > 1 else f"share {self.s.share_at(t):g}"
-        self.add_row(stack, t, f"keep {keep:.3f} by {self.s.stack_scoring}, capacity {cap:.3f} ({split}){behind}", report,
+        kept = "merged" if self.s.stack_merge else f"by {self.s.stack_scoring}"
+        self.add_row(stack, t, f"keep {keep:.3f} {kept}, capacity {cap:.3f} ({split}){behind}", report,
                      extra_language_flops=self.mod_scoring(keep) if cap < 1.0 else 0.0)  # at 1.0 nothing is scored
 
     def evaluate_frames(self, p: dict[str, Any]) -> None:

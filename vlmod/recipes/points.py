@@ -61,7 +61,7 @@ def ceilings(dims: DecoderDims, counts: TokenCounts, layers: Sequence[int], sche
     out = {"random": mod, "stride": mod,
            "attention": knobs.max_reduction(dims, others, "mod", layers, schedule, scoring)}
     out[alone] = knobs.max_reduction(dims, counts, "mod", layers, schedule, scoring if attention else 0.0)
-    out.update(dict.fromkeys(reduction_methods(video).values(), knobs.max_reduction(dims, others, "reduce")))
+    out.update(dict.fromkeys([*reduction_methods(video).values(), "merge"], knobs.max_reduction(dims, others, "reduce")))
     if pooled:  # pooled, then ranked: as far as the reduction's one kept token
         out["pool"] = out["reduce"]
     if stacked and stack_pool > 1:  # MoD at its floor on every window

@@ -414,7 +414,8 @@ class _Recipe(PointEvaluations):
             self.stack = stages.run("train stacked", lambda: self.finetune(
                 self.mod, "stack", trainable="language", lr=s.stack_lr, max_steps=s.stack_steps, router_lr=s.router_lr,
                 capacities=[cap for _, cap in draws], reduce_keep=[keep for keep, _ in draws],
-                reduce_scoring=s.stack_scoring, reduce_pool=s.stack_pool, distill_from=mod_stage["distill_from"], **aux,
+                reduce_scoring=s.stack_scoring, reduce_pool=s.stack_pool,
+                reduce_merge=s.stack_merge, distill_from=mod_stage["distill_from"], **aux,
             ))
         if s.dense_control:
             control = stages.run(CONTROL_STAGES[0], lambda: self.finetune(self.dense, "dense-control", **mod_stage))

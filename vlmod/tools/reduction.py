@@ -33,6 +33,9 @@ features) and `keep`, at most 1 / pool ** 2, is still a share of the unpooled to
 answer lies inside a window (a glyph over 2 x 2 patches aligned with it) pooling loses little
 (fine-detail seed 0: 94.5% against 96.5% dense, first 400 questions), and MoD trained behind it
 reaches 8x there (97.4% against 96.7%, all 1,200; docs/results.md).
+With `merge` the tokens are merged instead of dropped (`vlmod.tools.merging`, ToMe's bipartite
+matching): each frame's most alike tokens merge until `keep` of them are left, each survivor
+carrying its group's mean at its own place (the ranking then only trims a clip's rounding).
 Selection is the engine's: text is protected, the top-k vision tokens of each row are kept in their original
 order (`vlmod.routing.selection`), and the kept sequence is left-padded for generation.
 
@@ -65,6 +68,7 @@ from vlmod.routing.schedule import capacity_to_k_tensor
 from vlmod.routing.selection import TokenLayout, select_tokens
 from vlmod.routing.trace import find_parts
 from vlmod.tools.flops import vision_images
+from vlmod.tools.merging import frame_merge_flops, merge_frames
 
 IGNORE_INDEX = -100
 SCORINGS = ("cls", "mean", "deviation", "novelty")
@@ -104,7 +108,8 @@ class PreLLMReduction(nn.Module):
     `generate` (greedy decoding from the kept tokens; returns prompt ids + new ids like
     `model.generate`)."""
 
-    def __init__(self, model: nn.Module, keep: float, scoring: str = "cls", contextual: float = 0.0, pool: int = 1):
+    def __init__(self, model: nn.Module, keep: float, scoring: str = "cls", contextual: float = 0.0, pool: int = 1,
+                 merge: bool = False):
         super().__init__()
         if scoring not in SCORINGS:
             raise ValueError(f"scoring must be one of {', '.join(SCORINGS)}, got {scoring!r}")
@@ -121,11 +126,14 @@ class PreLLMReduction(nn.Module):
                              f"tokens): give keep <= {1.0 / pool ** 2:g}")
         if pool > 1 and contextual > 0:
             raise ValueError("contextual merging and pool are two ways of merging the tokens: give one of them")
+        if merge and (pool > 1 or contextual > 0):
+            raise ValueError("merge, pool and contextual are each a way of merging the tokens: give one of them")
         self.model = model
         self.keep = float(keep)
         self.scoring = scoring
         self.contextual = float(contextual)
         self.pool = pool
+        self.merge = bool(merge)
         self.last_length: int | None = None  # the language model's sequence length in the last forward
 
     @property
@@ -138,7 +146,16 @@ class PreLLMReduction(nn.Module):
     # -- scores and features ------------------------------------------------------------------
 
     def _media(self, inputs: Mapping[str, Any]) -> tuple[Tensor, Tensor, int]:
-        """(features [N, D] in placeholder order, CLS-attention scores [N], token id) of the batch."""
+        """(features [N, D] in placeholder order, scores [N], token id) of the batch; with `merge`
+        each survivor scores as its own patch did before the merging, the rest -inf."""
+        features, scores, token_id = self._ranked_media(inputs)
+        if not self.merge:
+            return features, scores, token_id
+        features, survivors = merge_frames(features, vision_images(inputs), self.keep)
+        return features, scores.masked_fill(~survivors, float("-inf")), token_id
+
+    def _ranked_media(self, inputs: Mapping[str, Any]) -> tuple[Tensor, Tensor, int]:
+        """(features [N, D] in placeholder order, the scoring's scores [N], token id) of the batch."""
         inner, cfg = self.model.model, self.model.config
         layer, strategy = cfg.vision_feature_layer, cfg.vision_feature_select_strategy
         if inputs.get("pixel_values_videos") is not None and inputs.get("pixel_values") is not None:
@@ -430,7 +447,7 @@ def _kept_token_types(model: nn.Module, kept_ids: Tensor) -> Iterator[None]:
 def reduction_flops(reducer: PreLLMReduction, inputs: Mapping[str, Any], trace: Any | None = None) -> dict[str, float]:
     """Prefill FLOPs per sequence of the reduced model: the dense tower plus the scoring (the CLS
     query, or every query, and every key of one tower layer, and their attention), the pooling
-    (where `pool`), the contextual tokens' similarities (where `contextual`), and the
+    (where `pool`), the contextual tokens' or the merging's similarities (`contextual`, `merge`), and the
     language model on the kept tokens (`vlmod.tools.flops`): a MoD layer of a stacked model (of its
     language model or its tower) on the tokens it ran in `trace` (the prefill's `RoutingTrace`),
     where given."""
@@ -459,6 +476,8 @@ def reduction_flops(reducer: PreLLMReduction, inputs: Mapping[str, Any], trace: 
     vision += ((tower + scoring) * frames + frame_pooling_flops(reducer.model, inputs)) / batch
     if reducer.pool > 1:  # each feature added into its window's sum, each sum divided once
         vision += cfg.text_config.hidden_size * float(n_vision.double().mean()) * (1 + 1 / reducer.pool**2)
+    if reducer.merge:  # each frame's rounds of similarities
+        vision += frame_merge_flops(int(n_vision.sum()), frames, reducer.keep, cfg.text_config.hidden_size) / batch
     if reducer.contextual > 0:  # each merged token's cosine similarity to every target of its row
         dominant, context = reducer._split(n_vision)
         dim = cfg.text_config.hidden_size

@@ -73,6 +73,8 @@ class TrainConfig:
         dropped tokens merged by similarity) behind that reduction; 0: the best ranked tokens only.
     reduce_pool: that reduction first averages each frame's tokens in reduce_pool x reduce_pool
         windows (every patch enters, pooled; each keep then at most 1 / reduce_pool ** 2); 1: none.
+    reduce_merge: that reduction merges each frame's most alike tokens until the keep is left
+        (`vlmod.tools.merging`, ToMe-like) instead of dropping the worst ranked.
     """
 
     model: str
@@ -122,6 +124,7 @@ class TrainConfig:
     reduce_scoring: str | None = None
     reduce_contextual: float = 0.0
     reduce_pool: int = 1
+    reduce_merge: bool = False
 
     def __post_init__(self) -> None:
         choices = {
@@ -201,6 +204,11 @@ class TrainConfig:
                              f"{1 / self.reduce_pool ** 2:g}")
         if self.reduce_pool > 1 and self.reduce_contextual > 0:
             raise TrainError("reduce_contextual and reduce_pool are two ways of merging the tokens: give one of them")
+        if not isinstance(self.reduce_merge, bool):
+            raise TrainError(f"reduce_merge is true or false; got {brief(self.reduce_merge)}")
+        if self.reduce_merge and (self.reduce_pool > 1 or self.reduce_contextual > 0):
+            raise TrainError("reduce_merge, reduce_pool and reduce_contextual are each a way of merging the tokens: "
+                             "give one of them")
         if self.reduce_scoring is not None and self.reduce_keep is None:
             raise TrainError("reduce_scoring is set but reduce_keep is not: give the fraction of vision tokens to keep")
         if self.mod is not None:
