@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.reduction import SIDE, image_features
 
-from vlmod.models import tiny
 from vlmod.tools.merging import (
     ROUND_SHARE,
     _round_sizes,
@@ -16,8 +16,6 @@ from vlmod.tools.merging import (
     merge_tokens,
 )
 from vlmod.tools.reduction import PreLLMReduction, reduction_flops
-
-SIDE = 8  # 32 px, 4 px patches: 64 tokens an image
 
 
 def _background_and_glyphs(frames: int = 1) -> torch.Tensor:
@@ -101,37 +99,12 @@ def test_merge_refuses_what_it_cannot_do(kwargs: dict, message: str) -> None:
         merge_frames(torch.zeros(15, 8), 2, 0.5)
 
 
-@pytest.fixture(scope="module")
-def model() -> torch.nn.Module:
-    built, _ = tiny.build("llava", width=64, layers=2, vision_width=32, vision_layers=2, image_size=32, patch_size=4,
-                          vision_feature_layer=-1, seed=3)
-    return built.eval()
-
-
-@pytest.fixture(scope="module")
-def batch(model: torch.nn.Module) -> dict:
-    torch.manual_seed(0)
-    ids = torch.full((2, SIDE * SIDE + 6), 5, dtype=torch.long)
-    ids[:, 3 : 3 + SIDE * SIDE] = model.config.image_token_id
-    mask = torch.ones_like(ids)
-    mask[1, :2] = 0  # a left-padded row
-    return {"input_ids": ids, "attention_mask": mask, "pixel_values": torch.randn(2, 3, 32, 32)}
-
-
-def _features(model: torch.nn.Module, batch: dict) -> torch.Tensor:
-    cfg = model.config
-    out = model.model.get_image_features(batch["pixel_values"], vision_feature_layer=cfg.vision_feature_layer,
-                                         vision_feature_select_strategy=cfg.vision_feature_select_strategy,
-                                         return_dict=True).pooler_output
-    return torch.cat([f.reshape(-1, f.shape[-1]) for f in out])
-
-
 def test_the_reduction_enters_the_survivors_at_their_places(model: torch.nn.Module, batch: dict) -> None:
     """A quarter kept: each image's 16 survivors enter with their groups' means, in order and at
     their own position ids; the text around them as before."""
     with torch.no_grad():
         reduced = PreLLMReduction(model, 0.25, "deviation", merge=True).reduce(batch)
-        merged, survivors = merge_frames(_features(model, batch), 2, 0.25)
+        merged, survivors = merge_frames(image_features(model, batch), 2, 0.25)
     for row in range(2):
         kept = reduced["attention_mask"][row].bool()
         index = reduced["index"][row][kept]

@@ -8,37 +8,14 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.reduction import SIDE, image_features
 
-from vlmod.models import tiny
 from vlmod.tools.reduction import PreLLMReduction, reduction_flops
-
-SIDE = 8  # 32 px, 4 px patches
-
-
-@pytest.fixture(scope="module")
-def model() -> torch.nn.Module:
-    built, _ = tiny.build("llava", width=64, layers=2, vision_width=32, vision_layers=2, image_size=32, patch_size=4,
-                          vision_feature_layer=-1, seed=3)
-    return built.eval()
-
-
-@pytest.fixture(scope="module")
-def batch(model: torch.nn.Module) -> dict:
-    torch.manual_seed(0)
-    ids = torch.full((2, SIDE * SIDE + 6), 5, dtype=torch.long)
-    ids[:, 3 : 3 + SIDE * SIDE] = model.config.image_token_id
-    mask = torch.ones_like(ids)
-    mask[1, :2] = 0  # a left-padded row
-    return {"input_ids": ids, "attention_mask": mask, "pixel_values": torch.randn(2, 3, 32, 32)}
 
 
 def _pooled_features(model: torch.nn.Module, batch: dict) -> torch.Tensor:
     """[images, (SIDE / 2) ** 2, D] each 2 x 2 window's mean feature, the windows row-major."""
-    cfg = model.config
-    features = model.model.get_image_features(batch["pixel_values"], vision_feature_layer=cfg.vision_feature_layer,
-                                              vision_feature_select_strategy=cfg.vision_feature_select_strategy,
-                                              return_dict=True).pooler_output
-    grid = torch.stack(list(features)).view(-1, SIDE, SIDE, features[0].shape[-1]).permute(0, 3, 1, 2)
+    grid = image_features(model, batch).view(-1, SIDE, SIDE, model.config.text_config.hidden_size).permute(0, 3, 1, 2)
     return F.avg_pool2d(grid, 2).flatten(2).transpose(1, 2)
 
 
