@@ -284,8 +284,8 @@ def plot_frontier(rows: Sequence[Mapping[str, Any]], path: str | Path, title: st
     # One colour a method (matplotlib's cycle has ten, and two curves sharing one read as one);
     # grey and black stay with dense, its control and the dense - 1 line.
     colours = dict(zip(METHOD_LABELS, ["black", "tab:blue", "royalblue", "tab:orange", "tab:green", "tab:red",
-                                       "tab:purple", "tab:brown", "tab:pink", "tab:olive", "crimson", "teal", "tab:cyan", "navy",
-                                       "gray", "darkgoldenrod", "goldenrod"], strict=True))
+                                       "tab:purple", "tab:brown", "tab:pink", "tab:olive", "crimson", "teal",
+                                       "tab:cyan", "navy", "gray", "darkgoldenrod", "goldenrod"], strict=True))
     for ax, axis, xlabel in ((axes[0], "language", "language-model prefill GFLOPs per sample"),
                              (axes[1], "total", "total prefill GFLOPs per sample (tower + projector + LM)")):
         for method in METHOD_LABELS:

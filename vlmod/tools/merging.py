@@ -42,6 +42,16 @@ def _round_sizes(tokens: int, keep: int, share: float) -> list[tuple[int, int]]:
     return rounds
 
 
+def _half(x: Tensor, first: bool) -> Tensor:
+    """The first (even places) or second (odd places) half of each frame's tokens."""
+    return x[:, ::2] if first else x[:, 1::2]
+
+
+def _take(x: Tensor, index: Tensor) -> Tensor:
+    """x [F, T, C] at `index` [F, K] of each frame."""
+    return x.gather(1, index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+
+
 def merge_tokens(features: Tensor, keep: int, share: float = ROUND_SHARE) -> tuple[Tensor, Tensor]:
     """(merged [F, T, D]: each survivor's group mean in its place, the other tokens as given;
     survivors [F, T], `keep` a frame) of `features` [F, T, D] (each frame's tokens in reading
@@ -57,25 +67,19 @@ def merge_tokens(features: Tensor, keep: int, share: float = ROUND_SHARE) -> tup
     sums = features.float()
     sizes = sums.new_ones(frames, tokens, 1)
     for _, merged in _round_sizes(tokens, keep, share):
-        sims = F.normalize(sums[:, ::2].detach(), dim=-1) @ F.normalize(sums[:, 1::2].detach(), dim=-1).transpose(1, 2)
+        first, second = F.normalize(_half(sums, True).detach(), dim=-1), F.normalize(_half(sums, False).detach(), dim=-1)
+        sims = first @ second.transpose(1, 2)
         best, partner = sims.max(-1)  # [F, A]: each token of the first half, its nearest of the second
         ranked = best.argsort(dim=-1, descending=True, stable=True)
         moving, staying = ranked[:, :merged], ranked[:, merged:]
         into = partner.gather(1, moving).unsqueeze(-1)
-
-        def half(x: Tensor, first: bool) -> Tensor:
-            return x[:, ::2] if first else x[:, 1::2]
-
-        def take(x: Tensor, index: Tensor) -> Tensor:
-            return x.gather(1, index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
-
-        targets_sum = half(sums, False).scatter_add(1, into.expand(-1, -1, dim), take(half(sums, True), moving))
-        targets_size = half(sizes, False).scatter_add(1, into, take(half(sizes, True), moving))
-        origin_left = torch.cat([half(origin, True).gather(1, staying), half(origin, False)], 1)
+        targets_sum = _half(sums, False).scatter_add(1, into.expand(-1, -1, dim), _take(_half(sums, True), moving))
+        targets_size = _half(sizes, False).scatter_add(1, into, _take(_half(sizes, True), moving))
+        origin_left = torch.cat([_half(origin, True).gather(1, staying), _half(origin, False)], 1)
         order = origin_left.argsort(1)  # back to reading order, so the halves alternate in space again
         origin = origin_left.gather(1, order)
-        sums = take(torch.cat([take(half(sums, True), staying), targets_sum], 1), order)
-        sizes = take(torch.cat([take(half(sizes, True), staying), targets_size], 1), order)
+        sums = _take(torch.cat([_take(_half(sums, True), staying), targets_sum], 1), order)
+        sizes = _take(torch.cat([_take(_half(sizes, True), staying), targets_size], 1), order)
     means = (sums / sizes).to(features.dtype)
     merged_features = features.scatter(1, origin.unsqueeze(-1).expand(-1, -1, dim), means)
     survivors = torch.zeros(frames, tokens, dtype=torch.bool, device=features.device).scatter(1, origin, True)
