@@ -216,9 +216,9 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                              "runs/synthetic-image/dense/model) instead of training the image stage (default: train it)")
     parser.add_argument("--stack-merge", action=argparse.BooleanOptionalAction, default=None,
                         help="MoD stacked on pre-LLM reduction: the reduction merges each picture's (frame's) most "
-                             "alike tokens until its keep is left (ToMe-like) instead of dropping the worst ranked; "
-                             "--stack-pool then 1 unless given (default: "
-                             f"{'on' if detail.stack_merge else 'off'})")
+                             "alike tokens until its keep is left (ToMe-like) instead of dropping the worst ranked; on "
+                             "the detail task it then pools nothing and splits 8x 0.8 (trained at 0.5) unless "
+                             f"--stack-pool or --stack-share say otherwise (default: {'on' if detail.stack_merge else 'off'})")
     parser.add_argument("--stacked", action=argparse.BooleanOptionalAction, default=None,
                         help="evaluate MoD stacked on pre-LLM reduction at every point (default: on)")
     parser.add_argument("--captions", action=argparse.BooleanOptionalAction, default=None,
@@ -287,8 +287,6 @@ def run_recipe_command(args: argparse.Namespace) -> int:
     for flag in ("captions", "stacked", "dense_tower", "question_first", "unaligned", "stack_merge"):
         if getattr(args, flag) is not None:
             overrides[flag] = getattr(args, flag)
-    if overrides.get("stack_merge") and "stack_pool" not in overrides:  # detail pools by default: merging instead
-        overrides["stack_pool"] = 1
     if args.no_distill:
         overrides["distill"] = False
     if args.dense_control:
