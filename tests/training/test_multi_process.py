@@ -111,3 +111,25 @@ def test_token_weighting_follows_what_each_model_declares() -> None:
     it: Qwen-VL models declare `accepts_loss_kwargs = False` and keep their own mean."""
     assert takes_loss_kwargs(tiny.build("llava")[0])
     assert not takes_loss_kwargs(tiny.build("qwen3_vl")[0])
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_finetune_leaves_its_process_group(fails: bool, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """`vlmod finetune` in a launched process destroys its process group before it returns, when
+    training fails too: left to the interpreter's exit, gloo's threads were once torn down
+    mid-join on a loaded machine and the process aborted after saving."""
+    import torch.distributed as dist
+
+    from vlmod.cli import finetune as cli
+    from vlmod.cli.common import EXIT_USAGE
+
+    def launched_train(cfg: object, progress: bool) -> SimpleNamespace:  # the group a launch gives
+        dist.init_process_group("gloo", init_method=(tmp_path / "store").as_uri(), rank=0, world_size=1)
+        if fails:
+            raise TrainError("no data")
+        return SimpleNamespace(main_process=False)
+
+    monkeypatch.setattr(cli, "train", launched_train)
+    monkeypatch.setattr(cli, "config_from_args", lambda args: SimpleNamespace(output_dir=str(tmp_path)))
+    assert cli.run_finetune(SimpleNamespace(plan=False, no_progress=True)) == (EXIT_USAGE if fails else 0)
+    assert not dist.is_initialized()

@@ -93,6 +93,7 @@ def _worker(jobs_file: str) -> None:
     train_module.prepare = recording
     for job in jobs:
         train(TrainConfig.from_dict(job), progress=False)
+    torch.distributed.destroy_process_group()  # as `vlmod finetune` leaves it (vlmod.cli.finetune)
 
 
 def _port() -> str:

@@ -89,8 +89,26 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig.from_yaml(args.config, **{name: getattr(args, name, None) for name in names})
 
 
+def _leave_process_group() -> None:
+    """A launched process leaves its process group before it exits. Left to the interpreter's
+    shutdown, gloo's threads were once torn down mid-join on a loaded machine ("terminate called
+    without an active exception": the process aborted after saving, and the launcher reported the
+    whole run failed)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def run_finetune(args: argparse.Namespace) -> int:
     """Build the config, train, say where the model went; bad input is one `error:` line."""
+    try:
+        return _finetune(args)
+    finally:
+        _leave_process_group()
+
+
+def _finetune(args: argparse.Namespace) -> int:
     cfg = None
     try:
         cfg = config_from_args(args)
