@@ -268,7 +268,8 @@ class RecipeSettings:
             # Merging keeps what stands apart, so the reduction takes most of 8x (keep 0.174, MoD at
             # capacity 0.36 on what is left; the stage trains it at 0.5): the unaligned set's stacked
             # models scored 96.3% and 95.5% there (seeds 0 and 1, dense 96.8% and 96.1%), against 91.7%
-            # and 96.0% at 0.5 (all 1,200 questions; 5x at 0.8 96.7% against 96.8%). No pooling with it.
+            # and 96.0% at 0.5 (all 1,200 questions; 5x at 0.8 96.7% against 96.8%); seed 2, run at 0.8 as
+            # set before its run, 94.2% (dense 95.9%; docs/results.md). No pooling with it.
             base.update(stack_pool=1, stack_share={8.0: 0.8}, stack_train_share={8.0: 0.5})
         base.update(overrides)
         return cls(**base)
