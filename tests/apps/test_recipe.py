@@ -173,20 +173,19 @@ def test_the_quick_recipes_reach_5x_and_8x_or_say_they_cannot(image_run: tuple, 
     assert stack5["gflops"]["vision"] < alone["gflops"]["vision"] == pytest.approx(stack5["gflops"]["vision"], rel=0.01)
 
 
-@pytest.mark.parametrize("router", ["attention", "learned"])
-def test_the_quick_detail_recipe_runs_every_method_at_every_point(router: str, tmp_path: Path,
+@pytest.mark.parametrize(("router", "merge"), [("attention", False), ("learned", False), ("learned", True)])
+def test_the_quick_detail_recipe_runs_every_method_at_every_point(router: str, merge: bool, tmp_path: Path,
                                                                   capsys: pytest.CaptureFixture[str]) -> None:
     """`vlmod recipe --task detail --quick`: the image task's stages on the fine-detail set (96 px,
     8 px patches: 144 vision tokens an image), every method at every point or out of reach, the
     tower pretrained on each patch's digit too, the recipe's detail types scored. Its MoD stages
     train the attention router (the default) or the learned one, taught the attention router's
-    choice (`--router-aux`); the stack on 2 x 2 pooling (the default) or on merging (`--stack-merge`,
-    with the learned router)."""
+    choice (`--router-aux`); the stack on 2 x 2 pooling (the default) or on merging (`--stack-merge`)."""
     from vlmod.cli import main
     from vlmod.data.detail import DETAIL_TYPES, MAX_ANSWER_SHARE, answer_share
 
     out = tmp_path / "detail"
-    flags = [] if router == "attention" else ["--mod-router", "learned", "--router-aux", "0.1", "--stack-merge"]
+    flags = ([] if router == "attention" else ["--mod-router", "learned", "--router-aux", "0.1"]) + ["--stack-merge"] * merge
     assert main(["recipe", "--task", "detail", "--quick", *flags, "--out", str(out), "--no-progress"]) == 0
     for model in ("converted", "mod/model", "stack/model"):
         assert json.loads((out / model / "config.json").read_text())["vlmod"]["language"]["router"] == router
@@ -195,7 +194,7 @@ def test_the_quick_detail_recipe_runs_every_method_at_every_point(router: str, t
         aux = ("attention", 0.1) if router == "learned" else (None, None)
         assert (config["aux_loss"], config["aux_loss_weight"]) == aux
     # The stack on 2 x 2 pooling: every window kept, each (keep, capacity) drawn once; or on merging.
-    if router == "attention":
+    if not merge:
         assert (config["reduce_pool"], set(config["reduce_keep"]), config["reduce_merge"]) == (2, {0.25}, False)
         assert len(set(config["capacities"])) == len(config["capacities"]) and 1.0 in config["capacities"]
     else:
@@ -217,7 +216,7 @@ def test_the_quick_detail_recipe_runs_every_method_at_every_point(router: str, t
     stacked = [r for r in rows if r["method"] in ours and r["method"].startswith("stacked")]
     merged = [r for r in rows if r["method"] == "merge"]
     assert merged and all(r["setting"].endswith(" merged") for r in merged)
-    if router == "learned":
+    if merge:
         assert stacked and all(" merged, capacity" in r["setting"] and "(share " in r["setting"] for r in stacked)
     else:
         _check_the_pooled_stack(stacked, rows, capsys.readouterr().out)
