@@ -296,7 +296,7 @@ def test_a_page_fills_the_picture_with_glyphs_each_question_still_naming_one(tmp
 
     with pytest.raises(InputError, match="the page layout draws no markers, so it asks the glyph types only"):
         generate_detail(tmp_path / "refused", 6, 3, scale=2, question_types=("digit", "count_small"), layout="page")
-    with pytest.raises(InputError, match="--layout takes one of scene, page, got 'book'"):
+    with pytest.raises(InputError, match="--layout takes one of scene, page, crowded, got 'book'"):
         check_layout("book")
     assert not (tmp_path / "refused").exists()
     out = tmp_path / "page"
@@ -317,6 +317,26 @@ def test_a_page_fills_the_picture_with_glyphs_each_question_still_naming_one(tmp
         assert len(r["meta"]["answer_patches"]) == 4 and answer_share(r["meta"], 96, 8) == 4 / 144
     train = [len(r["meta"]["glyphs"]) for r in _records(out, "train")]
     assert min(train) == 1 and np.mean(train) < np.mean(glyphs)  # the curriculum: from none up
+
+
+def test_a_crowded_page_covers_more_tokens_with_glyphs_than_a_3x_reduction_keeps(tmp_path: Path) -> None:
+    """The crowded layout (unaligned, as the recipe runs it): ~20 glyphs a validation picture, their
+    patches over half of the 144 tokens, so a reduction keeping a third must lose glyph tokens;
+    the asked glyph still covers 4 patches (2.8%) and one glyph takes a cell."""
+    from vlmod.data.detail import LAYOUTS, box_patches
+
+    out = tmp_path / "crowded"
+    generate_detail(out, num_train=10, num_val=30, seed=5, scale=2, question_types=("digit",), question_first=True,
+                    layout="crowded", unaligned=True)
+    _check_answers(out, scale=2)
+    val = _records(out, "val")
+    glyphs = [len(r["meta"]["glyphs"]) for r in val]
+    assert min(glyphs) >= 1 + LAYOUTS["crowded"].glyphs[0] - 4 and np.mean(glyphs) > 18
+    covered = [len({p for g in r["meta"]["glyphs"] for p in box_patches(g["box"], 96, 8)}) / 144 for r in val]
+    assert np.mean(covered) > 0.5 and min(covered) > 1 / 3
+    assert all(len(r["meta"]["answer_patches"]) == 4 for r in val)
+    cells = [{(g["box"][1] // 16, g["box"][0] // 16) for g in r["meta"]["glyphs"]} for r in val]
+    assert all(len(c) == len(r["meta"]["glyphs"]) for c, r in zip(cells, val, strict=True))
 
 
 def test_faint_pictures_are_the_same_pictures_with_their_glyphs_and_markers_faint(detail_set: Path,

@@ -202,8 +202,9 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                              "so glyphs straddle 2 x 2 pooling windows as text does on real pictures (default: "
                              f"{'on' if detail.unaligned else 'off'})")
     parser.add_argument("--layout", choices=tuple(LAYOUTS), default=None,
-                        help="detail task: scene (a few glyphs among large shapes) or page (glyphs filling the "
-                             f"picture like text) (default: {detail.layout})")
+                        help="detail task: scene (a few glyphs among large shapes), page (glyphs filling the "
+                             "picture like text) or crowded (a page of more glyphs than a 3x reduction keeps "
+                             f"tokens) (default: {detail.layout})")
     parser.add_argument("--mod-router", choices=MOD_ROUTERS, default=None,
                         help="the router the MoD and stacked stages train and run with: learned (the shared linear "
                              "router) or attention (each layer ranks by the attention text pays; no parameters, its "
