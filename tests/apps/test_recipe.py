@@ -173,19 +173,19 @@ def test_the_quick_recipes_reach_5x_and_8x_or_say_they_cannot(image_run: tuple, 
     assert stack5["gflops"]["vision"] < alone["gflops"]["vision"] == pytest.approx(stack5["gflops"]["vision"], rel=0.01)
 
 
-@pytest.mark.parametrize(("router", "merge"), [("attention", False), ("learned", False), ("learned", True)])
+@pytest.mark.parametrize(("router", "merge"), [("attention", True), ("attention", False), ("learned", False)])
 def test_the_quick_detail_recipe_runs_every_method_at_every_point(router: str, merge: bool, tmp_path: Path,
                                                                   capsys: pytest.CaptureFixture[str]) -> None:
     """`vlmod recipe --task detail --quick`: the image task's stages on the fine-detail set (96 px,
     8 px patches: 144 vision tokens an image), every method at every point or out of reach, the
     tower pretrained on each patch's digit too, the recipe's detail types scored. Its MoD stages
     train the attention router (the default) or the learned one, taught the attention router's
-    choice (`--router-aux`); the stack on 2 x 2 pooling (the default) or on merging (`--stack-merge`)."""
+    choice (`--router-aux`); the stack on merging (the default) or on 2 x 2 pooling (`--no-stack-merge`)."""
     from vlmod.cli import main
     from vlmod.data.detail import DETAIL_TYPES, MAX_ANSWER_SHARE, answer_share
 
     out = tmp_path / "detail"
-    flags = ([] if router == "attention" else ["--mod-router", "learned", "--router-aux", "0.1"]) + ["--stack-merge"] * merge
+    flags = ([] if router == "attention" else ["--mod-router", "learned", "--router-aux", "0.1"]) + ["--no-stack-merge"] * (not merge)
     assert main(["recipe", "--task", "detail", "--quick", *flags, "--out", str(out), "--no-progress"]) == 0
     for model in ("converted", "mod/model", "stack/model"):
         assert json.loads((out / model / "config.json").read_text())["vlmod"]["language"]["router"] == router
@@ -460,8 +460,9 @@ def test_recipe_settings_refuse_bad_values(tmp_path: Path, capsys: pytest.Captur
         assert message in capsys.readouterr().err
     assert main(["recipe", "--quick", "--out", str(tmp_path / "run"), "--stack-share", "8:0.5"]) == 2
     assert "expected SHARE or TARGET=SHARE (e.g. 0.5 or 8=0.85), got '8:0.5'" in capsys.readouterr().err
-    for flags in (["--stack-share", "0.5"], ["--stack-train-share", "8=0.5"]):  # the detail stack pools: no split
-        assert main(["recipe", "--task", "detail", "--quick", "--out", str(tmp_path / "run"), *flags]) == 2
+    for flags in (["--stack-share", "0.5"], ["--stack-train-share", "8=0.5"]):  # the pooled stack: no split
+        assert main(["recipe", "--task", "detail", "--quick", "--out", str(tmp_path / "run"), "--no-stack-merge",
+                     *flags]) == 2
         assert "with --stack-pool 2 the reduction keeps every pooled window: give --stack-pool 1" in capsys.readouterr().err
     with pytest.raises(InputError, match="--stack-merge and --stack-pool 2 are two ways of merging"):
         RecipeSettings.for_task("detail", stack_merge=True, stack_pool=2)

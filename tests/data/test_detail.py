@@ -237,13 +237,20 @@ def test_the_recipe_takes_the_glyph_scale_and_types_for_the_detail_task_only(tmp
             RecipeSettings.for_task(task, glyph_scale=2)
         with pytest.raises(InputError, match=f"give them with --task detail, not --task {task}"):
             RecipeSettings.for_task(task, question_first=True)
-    # the recipe's set: a page of glyphs over 2 x 2 patches, the question first, the digit question, 20% faint
+    # the recipe's set: a page of glyphs over 2 x 2 patches off the pooling windows, the question first, the digit
+    # question, 20% faint; the stack on merging
     detail = RecipeSettings.for_task("detail")
-    assert (detail.glyph_scale, detail.types, detail.question_first, detail.layout, detail.faint) == (
-        2, ("digit",), True, "page", 0.2)
-    # 8x: the reduction takes 0.3 of the FLOPs reduction, and the stacked stage trains where each point runs
+    assert (detail.glyph_scale, detail.types, detail.question_first, detail.layout, detail.faint, detail.unaligned,
+            detail.dense_steps, detail.stack_merge, detail.stack_pool) == (2, ("digit",), True, "page", 0.2, True, 4000,
+                                                                           True, 1)
+    # 8x: merging takes 0.8 of the FLOPs reduction, the stacked stage trains it at 0.5
     assert [detail.share_at(t, training) for t in (3.0, 5.0, 8.0) for training in (False, True)] == [0.5, 0.5, 0.5, 0.5,
-                                                                                                   0.3, 0.3]
+                                                                                                   0.8, 0.5]
+    # without merging the stack pools as on the aligned set: 8x's 0.3, trained where each point runs
+    pooled = RecipeSettings.for_task("detail", stack_merge=False)
+    assert (pooled.stack_pool, pooled.unaligned) == (2, True)
+    assert [pooled.share_at(t, training) for t in (5.0, 8.0) for training in (False, True)] == [0.5, 0.5, 0.3, 0.3]
+    assert not RecipeSettings.for_task("detail", glyph_scale=1, types=("digit",)).unaligned  # one patch: no grid to leave
     run = ["recipe", "--task", "detail", "--quick", "--types", "digit,count_small", "--out", str(tmp_path / "run")]
     assert main(run) == 2  # the page draws no markers to count
     err = capsys.readouterr().err

@@ -679,7 +679,7 @@ def test_the_stacked_stage_trains_at_its_own_split() -> None:
 
 
 def test_the_stack_on_pooling_keeps_every_window() -> None:
-    """`stack_pool` 2 (the detail recipe's): every stacked point keeps a quarter of the vision
+    """`stack_pool` 2 (the detail recipe's without merging): every stacked point keeps a quarter of the vision
     tokens, MoD's capacity reaching the rest; a point the pooling alone passes runs at capacity
     1.0, past it; the stacked stage draws each (keep, capacity) once."""
     from vlmod.errors import InputError
@@ -689,7 +689,7 @@ def test_the_stack_on_pooling_keeps_every_window() -> None:
 
     dims = DecoderDims(dim=128, layers=8, heads=8, kv_heads=2, head_dim=16, mlp_hidden=256, vocab=200)
     counts, layers = TokenCounts(text=10.0, vision=144), list(range(1, 8))
-    s = RecipeSettings.for_task("detail")
+    s = RecipeSettings.for_task("detail", stack_merge=False)
     assert s.stack_pool == 2
     points, reach = solve_points(dims, counts, s, layers, 1e5)
     dense = language_prefill_flops(dims, counts.total)
@@ -708,7 +708,7 @@ def test_the_stack_on_pooling_keeps_every_window() -> None:
     with pytest.raises(InputError, match="the video model pools its frames already"):
         RecipeSettings.for_task("video", stack_pool=2)
     with pytest.raises(InputError, match=r"12 x 12 patches do not split into 5 x 5 windows"):
-        RecipeSettings.for_task("detail", stack_pool=5)
+        RecipeSettings.for_task("detail", stack_merge=False, stack_pool=5)
 
 
 def test_a_row_counts_the_whole_prefill() -> None:
