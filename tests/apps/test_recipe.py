@@ -467,7 +467,7 @@ def test_recipe_settings_refuse_bad_values(tmp_path: Path, capsys: pytest.Captur
     with pytest.raises(InputError, match="--stack-merge and --stack-pool 2 are two ways of merging"):
         RecipeSettings.for_task("detail", stack_merge=True, stack_pool=2)
     merged = RecipeSettings.for_task("detail", stack_merge=True)  # no pooling, 8x split for merging
-    assert (merged.stack_pool, merged.stack_share, merged.stack_train_share) == (1, {8.0: 0.8}, {8.0: 0.5})
+    assert (merged.stack_pool, merged.stack_share, merged.stack_train_share) == (1, {8.0: 0.6}, {8.0: 0.5})
     assert RecipeSettings.for_task("detail", stack_merge=True, stack_share=0.5).stack_share == 0.5
     assert main(["recipe", "--task", "detail", "--quick", "--out", str(tmp_path / "run"), "--stack-merge",
                  "--stack-pool", "2"]) == 2

@@ -218,7 +218,7 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     parser.add_argument("--stack-merge", action=argparse.BooleanOptionalAction, default=None,
                         help="MoD stacked on pre-LLM reduction: the reduction merges each picture's (frame's) most "
                              "alike tokens until its keep is left (ToMe-like) instead of dropping the worst ranked; on "
-                             "the detail task it pools nothing and splits 8x 0.8 (trained at 0.5) unless --stack-pool "
+                             "the detail task it pools nothing and splits 8x 0.6 (trained at 0.5) unless --stack-pool "
                              "or --stack-share say otherwise, and --no-stack-merge stacks on 2 x 2 pooling, 8x split "
                              f"0.3 (default: image {'on' if image.stack_merge else 'off'}, video "
                              f"{'on' if vid.stack_merge else 'off'}, detail {'on' if detail.stack_merge else 'off'})")
