@@ -15,6 +15,7 @@ from vlmod.data.detail import DETAIL_TYPES, FAINT_CONTRAST, LAYOUTS
 from vlmod.errors import InputError
 from vlmod.recipes.settings import (
     DEFAULT_STACK_SHARE,
+    DETAIL_STACKS,
     ISOFLOP_DENSE_STEPS,
     MOD_ROUTERS,
     TASKS,
@@ -164,6 +165,7 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                              "runs/synthetic-TASK-seeds with --seeds)")
     parser.add_argument("--quick", action="store_true", help="toy sizes: the whole pipeline in under 2 minutes")
     image, vid, detail = (RecipeSettings.for_task(t) for t in ("image", "video", "detail"))
+    merged, pooled = DETAIL_STACKS[True], DETAIL_STACKS[False]
     for name, kind, text in _FLAGS:
         a, b, d = getattr(image, name), getattr(vid, name), getattr(detail, name)
         shown = f"{a}" if a == b else f"image {a}, video {b}"
@@ -218,9 +220,11 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     parser.add_argument("--stack-merge", action=argparse.BooleanOptionalAction, default=None,
                         help="MoD stacked on pre-LLM reduction: the reduction merges each picture's (frame's) most "
                              "alike tokens until its keep is left (ToMe-like) instead of dropping the worst ranked; on "
-                             "the detail task it pools nothing and splits 8x 0.6 (trained at 0.5) unless --stack-pool "
-                             "or --stack-share say otherwise, and --no-stack-merge stacks on 2 x 2 pooling, 8x split "
-                             f"0.3 (default: image {'on' if image.stack_merge else 'off'}, video "
+                             "the detail task it pools nothing and splits as --stack-share "
+                             f"{_shares(merged['stack_share'])} (trained at {_shares(merged['stack_train_share'])}) "
+                             "unless --stack-pool or --stack-share say otherwise, and --no-stack-merge stacks on "
+                             f"{pooled['stack_pool']} x {pooled['stack_pool']} pooling, split "
+                             f"{_shares(pooled['stack_share'])} (default: image {'on' if image.stack_merge else 'off'}, video "
                              f"{'on' if vid.stack_merge else 'off'}, detail {'on' if detail.stack_merge else 'off'})")
     parser.add_argument("--stacked", action=argparse.BooleanOptionalAction, default=None,
                         help="evaluate MoD stacked on pre-LLM reduction at every point (default: on)")

@@ -37,6 +37,13 @@ DEFAULT_STACK_SHARE = 0.5
 KERNEL_FLAGS = ("avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
                 "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
 
+# The detail task's stack by `stack_merge`: on token merging (8x split 0.6, trained at 0.5), or on
+# 2 x 2 pooling with every window kept (8x split 0.3, trained where it runs), as the aligned set's
+# tables ran it (`--no-unaligned --no-stack-merge --dense-steps 2500`). Why each split: `for_task`.
+DETAIL_STACKS: dict[bool, dict[str, Any]] = {
+    True: {"stack_merge": True, "stack_pool": 1, "stack_share": {8.0: 0.6}, "stack_train_share": {8.0: 0.5}},
+    False: {"stack_merge": False, "stack_pool": 2, "stack_share": {8.0: 0.3}, "stack_train_share": None},
+}
 
 @dataclass
 class RecipeSettings:
@@ -229,12 +236,10 @@ class RecipeSettings:
             # other points as before) 97.8% at 8x, -1.7 against dense, 5x 99.5% (all 1,200). On the digit set:
             # seed 1 91.2% at 8x (dense 91.0%); seed 0 79.1%, against 89.3% trained and run at 0.5, its 5x
             # 95.9% against 97.5%, and its loss 2.4x its running median at step 250 (docs/results.md).
-            base.update(stack_share={8.0: 0.3})
             # The stack on 2 x 2 pooling: a glyph over 2 x 2 patches stays whole (averaged), where dropping
             # loses it: seed 0's stacked stage trained behind pooling (keep 0.25, capacities 1.0 and 5x's and
             # 8x's) scored 97.4% at 3.96x, 5x and 8x (dense 96.7%), against 79.1% at 8x behind deviation at
-            # 0.3 and 89.3% at 0.5 (all 1,200 questions; docs/results.md).
-            base.update(stack_pool=2)
+            # 0.3 and 89.3% at 0.5 (all 1,200 questions; docs/results.md). `--no-stack-merge` stacks so again.
             # The glyphs off the pooling windows (`unaligned`, as text lies on real pictures), so pooling no
             # longer keeps them whole (2 x 2 pooling 38-61 points under dense at 3.96x), and the stack on
             # token merging instead. The dense stage 4,000 steps: after 2,500 seeds 1 and 2 had not found the
@@ -245,8 +250,7 @@ class RecipeSettings:
             # 0.5 / 0.6 / 0.8: seed 0 96.3 / 96.1 / 90.1% (dense 96.5%), seed 1 96.0 / 96.1 / 95.5% (96.1%),
             # seed 2 95.8 / 96.0 / 94.2% (95.9%), seed 0 after 2,500 dense steps 91.7 / 95.2 / 96.3% (96.8%);
             # chosen on those questions (a script; docs/results.md).
-            base.update(unaligned=True, dense_steps=4000, stack_merge=True, stack_pool=1, stack_share={8.0: 0.6},
-                        stack_train_share={8.0: 0.5})
+            base.update(unaligned=True, dense_steps=4000, **DETAIL_STACKS[bool(overrides.get("stack_merge", True))])
         if isoflop:
             # The check as docs/results.md reports it: MoD and dense from the same random tower.
             base.update(dense_steps=ISOFLOP_DENSE_STEPS, tower_steps=0)
@@ -278,10 +282,6 @@ class RecipeSettings:
                 base.update(image_steps=2, num_train_images=16, refine_steps=2)
         if task == "detail" and overrides.get("glyph_scale", 2) < 2 and "unaligned" not in overrides:
             base.update(unaligned=False)  # a cell of one patch lies on every grid: nothing to move
-        if overrides.get("stack_merge") is False and task == "detail":
-            # The stack on 2 x 2 pooling again, as the aligned set's tables ran it (with --no-unaligned
-            # --dense-steps 2500): the 8x split of dropping, no split trained apart.
-            base.update(stack_pool=2, stack_share={8.0: 0.3}, stack_train_share=None)
         base.update(overrides)
         return cls(**base)
 
@@ -507,5 +507,5 @@ def _shares(name: str, share: float | dict[Any, Any]) -> float | dict[float, flo
     return shares
 
 
-__all__ = ["DEFAULT_STACK_SHARE", "ISOFLOP_DENSE_STEPS", "KERNEL_FLAGS", "TASKS", "VIDEO_POOLS", "RecipeResult",
+__all__ = ["DEFAULT_STACK_SHARE", "DETAIL_STACKS", "ISOFLOP_DENSE_STEPS", "KERNEL_FLAGS", "TASKS", "VIDEO_POOLS", "RecipeResult",
            "RecipeSettings", "check_image_model", "format_machine", "machine", "with_defaults"]
