@@ -37,9 +37,13 @@ DEFAULT_STACK_SHARE = 0.5
 KERNEL_FLAGS = ("avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
                 "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
 
-# The detail task's stack by `stack_merge`: on token merging (8x split 0.6, trained at 0.5), or on
-# 2 x 2 pooling with every window kept (8x split 0.3, trained where it runs), as the aligned set's
-# tables ran it (`--no-unaligned --no-stack-merge --dense-steps 2500`). Why each split: `for_task`.
+# The detail task's stack by `stack_merge`. On token merging: 8x split 0.6 (merging / MoD, in log
+# terms), trained at 0.5; which split a model holds 8x at is a draw, and 0.6 is the one within 2
+# points on every page model tried (at 0.5 / 0.6 / 0.8, all 1,200 questions: seeds 0, 1, 2 96.3 / 96.1
+# / 90.1%, 96.0 / 96.1 / 95.5%, 95.8 / 96.0 / 94.2%; chosen on those questions, docs/results.md). On
+# 2 x 2 pooling, every window kept, as the aligned set's tables ran it (`--no-unaligned
+# --no-stack-merge --dense-steps 2500`): pooling keeps a glyph on its window whole, and at 8x split
+# 0.3 MoD runs about one vision token a layer (seed 2's stacked model 97.2% there, 94.6% at 0.5).
 DETAIL_STACKS: dict[bool, dict[str, Any]] = {
     True: {"stack_merge": True, "stack_pool": 1, "stack_share": {8.0: 0.6}, "stack_train_share": {8.0: 0.5}},
     False: {"stack_merge": False, "stack_pool": 2, "stack_share": {8.0: 0.3}, "stack_train_share": None},
@@ -190,66 +194,29 @@ class RecipeSettings:
             base.update(stack_train_from=1.0, tower_steps=1500, stack_steps=2000)
         if task == "detail":
             # 144 vision tokens an image (2.2x the shapes set's 64): the shapes recipe's steps would take
-            # over two hours. A tower of 600 steps reads the glyphs (digit 99.1%, held-out pictures); the
-            # data, tower and dense stages at these settings took 38 min on 2 cores (seed 0, docs/data.md).
+            # over two hours. A tower of 600 steps reads the glyphs (digit 99.1%, held-out pictures).
             base.update(num_train=8000, num_val=1200, tower_steps=600, dense_steps=1500, mod_steps=1000, stack_steps=1000)
-            # Glyphs over 2 x 2 patches (4 of 144 tokens, 2.8%), the two glyph types, the question first: at one
-            # patch the dense model stayed at 22% (chance 15.6%); over 2 x 2 with the question after the picture
-            # 68.0%, first 82.7% (the first 300 questions; seed 0, docs/data.md). At that size a tower of
-            # 600 steps read a quarter glyph's digit at 31.9%, of 2,000 at 90.0%; count_small's four
-            # markers would cover 11% of the tokens. The whole recipe with the question after: 81.9 min
-            # on one thread (docs/results-history.md).
+            # Glyphs over 2 x 2 patches (4 of 144 tokens, 2.8%), the question first: at one patch the dense
+            # model stayed at 22% (chance 15.6%); over 2 x 2 with the question after the picture 68.0%, first
+            # 82.7% (seed 0, first 300 questions). A tower of 2,000 steps read a quarter glyph's digit at
+            # 90.0%, of 600 at 31.9% (docs/data.md).
             base.update(glyph_scale=2, types=("digit", "small_color"), question_first=True, tower_steps=2000)
-            # The page layout, 2,500 dense steps: on the scene the tiny tower spreads each glyph over every
-            # token (its answer tokens replaced, the dense model still scored 82.2 of 82.2%), so no reduction
-            # could lose (3x by deviation 83.0%). On the page (~13 glyphs) the dense model scored 90.0% after
-            # 2,500 steps, 16.0% with the answer tokens replaced, 74.3% at 3x by deviation (seed 0, first
-            # 300 questions, the 12-20 page's tower). The recipe so, each seed with its own tower: seed 1
-            # 99.7%, seeds 0 and 2 25.8% and 28.1% (seed 0 74.0% after 1,500 steps more): when the glyph is
-            # read is a draw (docs/data.md).
+            # Glyphs filling a page, not a few among large shapes: on the scene the tiny tower spread each
+            # glyph over every token, so no reduction could lose (3x by deviation 83.0%, dense 82.2%).
             base.update(layout="page", dense_steps=2500)
-            # 24,000 training pictures, not 8,000 (3.3 epochs in 2,500 steps, not 10): at 8,000 seeds 0 and 2
-            # memorised (seed 0 53.0% on its own training pages of 10+ glyphs, 25.8% on validation); at 24,000,
-            # each seed's own tower, seed 2 99.5% (was 28.1%), seed 0 66.2% (digit 100.0%, small_color 32.5%;
-            # was 25.8%). Seed 1 learned it at 8,000 (99.7%); not rerun at 24,000 (docs/data.md).
+            # 24,000 training pictures, not 8,000: at 8,000 seeds 0 and 2 memorised their pages (25.8%
+            # and 28.1% on validation); at 24,000 seed 2 scored 99.5% (docs/data.md).
             base.update(num_train=24000)
-            # The MoD stages train the attention router: the learned one did not find the asked glyph (it
-            # sees one token at a time; a linear probe on the same states recalls 83-91% of the answer's
-            # tokens in the top 33 of 144, the router ran 39-48% of them). Seed 2 (24,000), each router's
-            # MoD stage of 1,000 steps at its own points' capacities, all 1,200 questions: learned 68.4% at
-            # 3x, attention 99.7% (dense 99.5%; docs/results.md); seed 1's learned-router weights with the
-            # attention router 97.0% (learned 85.5%); seed 0 (dense 66.2%, its colour question unlearned)
-            # attention 68.4%.
+            # The attention router in the MoD stages: the learned one did not find the asked glyph (seed 2
+            # at 3x: learned 68.4%, attention 99.7%, dense 99.5%; docs/results-history.md).
             base.update(mod_router="attention")
-            # The digit question alone, 20% of the pictures faint. `small_color` ("what color is the {digit} ?")
-            # was a lottery, as finding a clip's object by its shape was: seed 0's dense model answered the
-            # colour of another glyph on the page in 128 of 200 such questions (right on 72) while reading
-            # the named colour's digit at 100%. And with every question learned the set had no room above
-            # (seed 2 99.5%). The digit question with 20% faint pictures (contrast 0.05-0.5), all 1,200:
-            # seed 0 96.7% (solid 100%, under contrast 0.1 26.9%), seed 1 91.0% (solid 96.4%, its loss off
-            # the plateau at 1,400-1,800), both inside the 88-97% band; the same models on the set with 30%
-            # faint 94.9% and 89.0% (docs/data.md).
+            # The digit question alone, 20% of the pictures faint (contrast 0.05-0.5): `small_color` was a
+            # lottery (seed 0 read another glyph's colour in 128 of 200) and left no room above (99.5%).
             base.update(types=("digit",), faint=0.2)
-            # 8x splits 0.3 / 0.7 (the reduction / MoD, in log terms), not 0.5: the reduction keeps 46.5% and
-            # MoD runs about one vision token a routed layer. Seed 2's stacked model, trained at 0.5, scored
-            # 94.6% at 8x there and 97.2% at 0.3 (0.4: 96.6%, 0.7: 70.8%); the stage trained at 0.3 (its
-            # other points as before) 97.8% at 8x, -1.7 against dense, 5x 99.5% (all 1,200). On the digit set:
-            # seed 1 91.2% at 8x (dense 91.0%); seed 0 79.1%, against 89.3% trained and run at 0.5, its 5x
-            # 95.9% against 97.5%, and its loss 2.4x its running median at step 250 (docs/results.md).
-            # The stack on 2 x 2 pooling: a glyph over 2 x 2 patches stays whole (averaged), where dropping
-            # loses it: seed 0's stacked stage trained behind pooling (keep 0.25, capacities 1.0 and 5x's and
-            # 8x's) scored 97.4% at 3.96x, 5x and 8x (dense 96.7%), against 79.1% at 8x behind deviation at
-            # 0.3 and 89.3% at 0.5 (all 1,200 questions; docs/results.md). `--no-stack-merge` stacks so again.
-            # The glyphs off the pooling windows (`unaligned`, as text lies on real pictures), so pooling no
-            # longer keeps them whole (2 x 2 pooling 38-61 points under dense at 3.96x), and the stack on
-            # token merging instead. The dense stage 4,000 steps: after 2,500 seeds 1 and 2 had not found the
-            # glyph (37.9%, 25.8%), after 4,000 they score 96.1% and 95.9% (their losses off the plateau between
-            # steps 2,100 and 2,800), seed 0 96.5% (by 1,400; docs/data.md). 8x splits 0.6 / 0.4 (merging / MoD, in log
-            # terms; the stage trains it at 0.5): which split a model holds 8x at is a draw, and 0.6 is the one
-            # within 2 points on every model tried. The stacked models at 8x, all 1,200 questions, splits
-            # 0.5 / 0.6 / 0.8: seed 0 96.3 / 96.1 / 90.1% (dense 96.5%), seed 1 96.0 / 96.1 / 95.5% (96.1%),
-            # seed 2 95.8 / 96.0 / 94.2% (95.9%), seed 0 after 2,500 dense steps 91.7 / 95.2 / 96.3% (96.8%);
-            # chosen on those questions (a script; docs/results.md).
+            # The glyphs off the 2 x 2 pooling windows (`unaligned`, as text lies on real pictures): on
+            # them pooling kept every glyph whole and lost 2.0-7.0 points at 3.96x. So the stack on token
+            # merging (`DETAIL_STACKS`, with why its 8x split). 4,000 dense steps: after 2,500 page seeds 1 and 2 had not
+            # found the glyph (37.9%, 25.8%), after 4,000 96.1% and 95.9% (docs/results-history.md).
             base.update(unaligned=True, dense_steps=4000, **DETAIL_STACKS[bool(overrides.get("stack_merge", True))])
         if isoflop:
             # The check as docs/results.md reports it: MoD and dense from the same random tower.
