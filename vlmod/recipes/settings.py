@@ -213,10 +213,11 @@ class RecipeSettings:
             # The digit question alone, 20% of the pictures faint (contrast 0.05-0.5): `small_color` was a
             # lottery (seed 0 read another glyph's colour in 128 of 200) and left no room above (99.5%).
             base.update(types=("digit",), faint=0.2)
-            # The glyphs off the 2 x 2 pooling windows (`unaligned`, as text lies on real pictures): on
-            # them pooling kept every glyph whole and lost 2.0-7.0 points at 3.96x. So the stack on token
-            # merging (`DETAIL_STACKS`, with why its 8x split). 4,000 dense steps: after 2,500 page seeds 1 and 2 had not
-            # found the glyph (37.9%, 25.8%), after 4,000 96.1% and 95.9% (docs/results-history.md).
+            # The glyphs off the 2 x 2 pooling windows (`unaligned`, as text lies on real pictures): on the
+            # windows pooling kept every glyph whole, training-free within 2.0-7.0 points at 3.96x. So the
+            # stack on token merging (`DETAIL_STACKS`, with why its 8x split). 4,000 dense steps: after 2,500
+            # the page's seeds 1 and 2 had not found the glyph (37.9%, 25.8%), after 4,000 96.1% and 95.9%
+            # (docs/results-history.md).
             base.update(unaligned=True, dense_steps=4000, **DETAIL_STACKS[bool(overrides.get("stack_merge", True))])
         if isoflop:
             # The check as docs/results.md reports it: MoD and dense from the same random tower.
