@@ -85,3 +85,33 @@ def test_console_script_is_installed():
     assert result.returncode == 0
     for command in ("convert", "rank", "bench"):
         assert command in result.stdout
+
+
+def test_probe_query_keep_script_fits_scores_and_trains_behind_the_keep(tmp_path):
+    """scripts/probe_query_keep.py (docs/results-history.md, the crowded page's keep that reads the
+    question) on a quick crowded run: it fits the scorer, writes the recall of the asked glyph and
+    the accuracies behind each keep, and with --train-out trains the stacked stage again behind the
+    scorer's keep in a copy (dropping, not merging) without touching the run it read."""
+    run = tmp_path / "run"
+    assert main(["recipe", "--task", "detail", "--layout", "crowded", "--quick", "--threads", "1", "--no-progress",
+                 "--out", str(run)]) == 0
+    stack_before = (run / "stack" / "model" / "model.safetensors").read_bytes()
+    script = [sys.executable, str(ROOT / "scripts" / "probe_query_keep.py"), str(run), "--fit-samples", "16",
+              "--steps", "5", "--num-samples", "8", "--batch-size", "8"]
+    out = tmp_path / "probe.json"
+    result = subprocess.run([*script, "--json", str(out)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    data = json.loads(out.read_text())
+    assert set(data["recall"]) == {"query scorer", "its target (the MoD layers, every token in)", "deviation"}
+    assert all(0.0 <= v <= 1.0 for v in data["recall"].values())
+    assert len(data["accuracy"]) == 3 and len({r["language_gflops"] for r in data["accuracy"].values()}) == 1
+
+    train = tmp_path / "train"
+    result = subprocess.run([*script, "--quick", "--train-out", str(train)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    config = json.loads((train / "stack" / "train_log.json").read_text())["config"]
+    assert (config["reduce_merge"], config["reduce_pool"], config["reduce_scoring"]) == (False, 1, "deviation")
+    assert (train / "results.json").is_file()
+    assert (run / "stack" / "model" / "model.safetensors").read_bytes() == stack_before
+    again = subprocess.run([*script, "--quick", "--train-out", str(train)], capture_output=True, text=True)
+    assert again.returncode == 2 and "exists; give a new folder" in again.stderr

@@ -1,0 +1,275 @@
+#!/usr/bin/env python
+"""Could a pre-LLM keep that reads the question hold 8x where a question-blind one cannot?
+
+On the crowded fine-detail page a 3x reduction must drop or merge glyphs, and one that has not
+read the question (deviation, merging) cannot know which glyph is asked. This probe fits a small
+scorer of each projected vision token against the mean embedding of the prompt's text tokens
+(`QueryScorer`: a rank-`--rank` bilinear term plus a question-blind one, a few thousand weights)
+to what the fine-tuned MoD model's routed layers run when every token enters (their processed
+share of each vision token, on training pictures: no answer box is read), then scores it on the
+validation pictures: how often the asked glyph's patches are among the kept ones (recall, read
+from the records' `answer_patches`), and the accuracy of `--model` behind that keep at the
+recipe's point (`--keep`, `--capacity`) against the same model behind the recipe's own keep.
+
+    python scripts/probe_query_keep.py runs/crowded/seed-0 --keep 0.285 --capacity 0.146
+"""
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from vlmod.cli.argtypes import HelpFormatter
+
+IGNORE = -100
+
+
+class QueryScorer(nn.Module):
+    """s_i = <K norm(v_i), Q mean_t(e_t)> / sqrt(r) + p(norm(v_i)): vision token i against the mean
+    embedding of the prompt's text tokens."""
+
+    def __init__(self, dim: int, rank: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.key = nn.Linear(dim, rank)
+        self.query = nn.Linear(dim, rank, bias=False)
+        self.prior = nn.Linear(dim, 1)
+        self.rank = rank
+
+    def forward(self, vision: Tensor, question: Tensor) -> Tensor:
+        """vision [B, N, D], question [B, D] (the mean text embedding) -> scores [B, N]."""
+        h = self.norm(vision)
+        q = self.query(question).unsqueeze(1)
+        return (self.key(h) * q).sum(-1) / math.sqrt(self.rank) + self.prior(h).squeeze(-1)
+
+
+def prompt_mean(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
+    """[B, D]: the mean input embedding of each row's text tokens, the answer's left out."""
+    ids = batch["input_ids"]
+    text = (ids != model.config.image_token_id) & batch["attention_mask"].bool()
+    if "labels" in batch:
+        text &= batch["labels"] == IGNORE
+    embeds = model.get_input_embeddings()(ids).float()
+    return (embeds * text.unsqueeze(-1)).sum(1) / text.sum(1, keepdim=True).clamp_min(1)
+
+
+def vision_features(model: nn.Module, pixels: Tensor, rows: int) -> Tensor:
+    out = model.get_image_features(pixel_values=pixels)
+    feats = getattr(out, "pooler_output", out)
+    feats = torch.cat([f.reshape(-1, f.shape[-1]) for f in feats]) if isinstance(feats, list | tuple) else feats
+    return feats.reshape(rows, -1, feats.shape[-1]).float()
+
+
+def collect(model: nn.Module, ds: Any, count: int, batch_size: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(vision [n, N, D], question [n, D], target [n, N]): the target is the share of the MoD
+    model's routed layers that ran each vision token, every token entering."""
+    from tqdm import tqdm
+
+    from vlmod.data.collate import collate
+    from vlmod.routing.trace import trace_routing
+
+    vision, question, target = [], [], []
+    for start in tqdm(range(0, count, batch_size), desc="targets", mininterval=30):
+        batch = collate([ds[i] for i in range(start, min(start + batch_size, count))])
+        rows = batch["input_ids"].shape[0]
+        with torch.no_grad(), trace_routing(model) as trace:
+            model(**batch)
+        is_image = batch["input_ids"] == model.config.image_token_id
+        ran = torch.stack([p.float() for (part, _), p in trace.processed.items() if part == "language"]).mean(0)
+        with torch.no_grad():
+            vision.append(vision_features(model, batch["pixel_values"], rows))
+            question.append(prompt_mean(model, batch))
+        target.append(ran[is_image].view(rows, -1))
+    return torch.cat(vision), torch.cat(question), torch.cat(target)
+
+
+def fit(scorer: QueryScorer, vision: Tensor, question: Tensor, target: Tensor, steps: int, seed: int) -> list[float]:
+    """Listwise: the softmax of a row's scores against its normalised target shares."""
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.Adam(scorer.parameters(), lr=3e-3)
+    goal = target / target.sum(1, keepdim=True).clamp_min(1e-6)
+    losses = []
+    for _ in range(steps):
+        pick = torch.randint(0, vision.shape[0], (64,), generator=gen)
+        loss = -(goal[pick] * F.log_softmax(scorer(vision[pick], question[pick]), -1)).sum(-1).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def recall(scores: Tensor, records: list, keep: float) -> float:
+    """The share of the asked glyph's patches among each picture's top `keep` by `scores`."""
+    k = math.ceil(keep * scores.shape[1])
+    top = scores.topk(k, dim=1).indices
+    hit = total = 0
+    for row, r in zip(top.tolist(), records, strict=True):
+        patches = set(r["meta"]["answer_patches"])
+        hit += len(patches & set(row))
+        total += len(patches)
+    return hit / total
+
+
+def train_behind(scorer: QueryScorer, run: Path, args: argparse.Namespace) -> None:
+    """The recipe again in a copy of `run` (its dense and MoD stages kept), its stacked stage
+    trained and evaluated behind the scorer's keep: the stack's deviation ranking, with no pooling,
+    merging or contextual tokens (no baseline uses that combination), ranks by the scorer instead.
+    Only the stacked rows of that run's table are the scorer's."""
+    import shutil
+
+    from vlmod.cli import main as cli
+    from vlmod.recipes import recipe
+    from vlmod.tools.reduction import PreLLMReduction
+
+    out = Path(args.train_out)
+    shutil.copytree(run, out, ignore=shutil.ignore_patterns("stack", ".vlmod-lock*"))
+    ranked = PreLLMReduction._ranked_media
+
+    def by_scorer(self: PreLLMReduction, inputs: Any) -> tuple[Tensor, Tensor, int]:
+        features, scores, token_id = ranked(self, inputs)
+        if self.scoring != "deviation" or self.pool > 1 or self.merge or self.contextual > 0:
+            return features, scores, token_id
+        rows = inputs["input_ids"].shape[0]
+        with torch.no_grad():
+            scores = scorer(features.detach().float().view(rows, -1, features.shape[-1]), prompt_mean(self.model, inputs))
+        return features, scores.reshape(-1), token_id
+
+    PreLLMReduction._ranked_media = by_scorer
+    # --reuse-trained keeps the MoD stage; the stacked one trains again (its time as the stage's).
+    reusable = recipe.reusable_finetune
+
+    def reuse_all_but_stack(out: Path, cfg: Any, router: str | None = None) -> tuple[Path, float]:
+        if Path(cfg.output_dir).name != "stack":
+            return reusable(out, cfg, router)
+        started = time.time()
+        model_dir = recipe.train(cfg, progress=False).model_dir
+        return model_dir, time.time() - started
+
+    recipe.reusable_finetune = reuse_all_but_stack
+    settings = json.loads((run / "results.json").read_text())["settings"]
+    argv = ["recipe", "--task", "detail", "--layout", settings["layout"], "--seed", str(settings["seed"]),
+            "--reuse-dense", "--reuse-trained", "--no-stack-merge", "--stack-pool", "1", "--stack-scoring", "deviation",
+            "--stack-share", "8=0.6", "--stack-train-share", "8=0.5", "--threads", str(args.threads), "--no-progress",
+            "--out", str(out)] + (["--quick"] if args.quick else [])
+    print("vlmod " + " ".join(argv), flush=True)
+    raise SystemExit(cli(argv))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+    parser.add_argument("run", help="a fine-detail recipe's folder (its data/, mod/model, stack/model)")
+    parser.add_argument("--keep", type=float, default=0.285, help="the vision tokens kept (default: 0.285, crowded 8x)")
+    parser.add_argument("--capacity", type=float, default=0.146, help="the MoD layers' capacity behind the keep "
+                        "(default: 0.146, crowded 8x)")
+    parser.add_argument("--model", default="stack", help="which run's model to evaluate behind the keep (default: stack)")
+    parser.add_argument("--fit-samples", type=int, default=2000, help="training pictures for the targets (default: 2000)")
+    parser.add_argument("--num-samples", type=int, default=400, help="validation pictures scored (default: 400)")
+    parser.add_argument("--rank", type=int, default=32, help="the scorer's bilinear rank (default: 32)")
+    parser.add_argument("--steps", type=int, default=1500, help="the scorer's fitting steps (default: 1500)")
+    parser.add_argument("--batch-size", type=int, default=16, help="(default: 16)")
+    parser.add_argument("--train-out", default=None, help="instead of the evaluations: a copy of the run (made here) "
+                        "whose recipe trains its stacked stage again behind the scorer's keep, dropping the rest "
+                        "(default: none)")
+    parser.add_argument("--threads", type=int, default=1, help="with --train-out: the recipe's threads (default: 1)")
+    parser.add_argument("--quick", action="store_true", help="with --train-out: the run was the recipe's --quick")
+    parser.add_argument("--json", default=None, help="write the figures here too (default: none)")
+    args = parser.parse_args()
+    if not 0.0 < args.keep <= 1.0 or not 0.0 < args.capacity <= 1.0:
+        parser.error("--keep and --capacity are shares of the vision tokens, in (0, 1]")
+    if args.train_out and Path(args.train_out).exists():
+        parser.error(f"--train-out {args.train_out} exists; give a new folder")
+
+    from transformers import AutoProcessor
+
+    import vlmod
+    from vlmod.data.dataset import LlavaDataset
+    from vlmod.data.llava_format import load_records
+    from vlmod.evaluation.evaluate import evaluate
+    from vlmod.tools.reduction import PreLLMReduction, reduction_flops
+
+    torch.manual_seed(0)
+    run = Path(args.run)
+    data = run / "data"
+    processor = AutoProcessor.from_pretrained(run / "mod" / "model")
+    mod = vlmod.load_pretrained(run / "mod" / "model").eval()
+    train = LlavaDataset(load_records(data / "train.json")[:args.fit_samples], processor, data)
+    started = time.time()
+    vision, question, target = collect(mod, train, len(train), args.batch_size)
+    collected = time.time() - started
+    scorer = QueryScorer(vision.shape[-1], args.rank)
+    losses = fit(scorer, vision, question, target, args.steps, 0)
+    scorer.eval()
+    print(f"targets from {len(train)} pictures in {collected:.0f} s; fit loss {losses[0]:.3f} -> "
+          f"{sum(losses[-100:]) / 100:.3f}")
+
+    raw = json.loads((data / "val.json").read_text())[:args.num_samples]
+    val = LlavaDataset(load_records(data / "val.json")[:args.num_samples], processor, data)
+    v_vis, v_q, v_target = collect(mod, val, len(val), args.batch_size)
+    with torch.no_grad():
+        learned = scorer(v_vis, v_q)
+    deviation = (v_vis - v_vis.mean(1, keepdim=True)).norm(dim=-1)
+    recalls = {"query scorer": recall(learned, raw, args.keep), "its target (the MoD layers, every token in)":
+               recall(v_target + 1e-3 * deviation, raw, args.keep), "deviation": recall(deviation, raw, args.keep)}
+    print(f"\n| ranking | the asked glyph's patches in the top {args.keep:g} |\n|---|---|")
+    for name, value in recalls.items():
+        print(f"| {name} | {100 * value:.1f}% |")
+
+    class QueryKeep(PreLLMReduction):
+        """The reduction with the scorer's ranking (features as the model's own)."""
+
+        def _ranked_media(self, inputs: Any) -> tuple[Tensor, Tensor, int]:
+            features, _, token_id = super()._ranked_media(inputs)
+            rows = inputs["input_ids"].shape[0]
+            with torch.no_grad():
+                scores = scorer(features.float().view(rows, -1, features.shape[-1]), prompt_mean(self.model, inputs))
+            return features, scores.reshape(-1), token_id
+
+    # Each picture's answer patches by its pixels (evaluate runs each batch twice: forward, generate).
+    answers = {round(val[i]["pixel_values"].double().sum().item(), 2): r["meta"]["answer_patches"]
+               for i, r in enumerate(raw)}
+
+    class OracleKeep(PreLLMReduction):
+        """The asked glyph's patches first, then the scorer's ranking: what a keep that never
+        misses the answer would score."""
+
+        def _ranked_media(self, inputs: Any) -> tuple[Tensor, Tensor, int]:
+            features, _, token_id = super()._ranked_media(inputs)
+            rows = inputs["input_ids"].shape[0]
+            with torch.no_grad():
+                scores = scorer(features.float().view(rows, -1, features.shape[-1]), prompt_mean(self.model, inputs))
+            scores = torch.sigmoid(scores)
+            for row, pixels in enumerate(inputs["pixel_values"]):
+                scores[row, answers[round(pixels.double().sum().item(), 2)]] += 10.0
+            return features, scores.reshape(-1), token_id
+
+    if args.train_out:
+        train_behind(scorer, run, args)
+        return
+    model = vlmod.load_pretrained(run / args.model / "model").eval()
+    vlmod.set_capacity(model, args.capacity)
+    settings = json.loads((run / "results.json").read_text())["settings"]
+    merge = bool(settings.get("stack_merge"))
+    rows = {}
+    for name, reducer in (("query scorer", QueryKeep(model, args.keep, "deviation")),
+                          ("the answer's patches, then the scorer", OracleKeep(model, args.keep, "deviation")),
+                          ("the recipe's keep (" + ("merging" if merge else settings["stack_scoring"]) + ")",
+                           PreLLMReduction(model, args.keep, settings["stack_scoring"], merge=merge))):
+        report = evaluate(reducer, processor, val, batch_size=args.batch_size, max_new_tokens=4, progress=False,
+                          name=name, flops_fn=reduction_flops)
+        rows[name] = {"accuracy": report.accuracy, "language_gflops": report.flops_by_part["language"] / 1e9}
+    print(f"\n| {args.model} behind | accuracy (first {len(val)}) | LM GFLOPs |\n|---|---|---|")
+    for name, row in rows.items():
+        print(f"| {name} | {100 * row['accuracy']:.1f}% | {row['language_gflops']:.4f} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"recall": recalls, "accuracy": rows, "fit_loss": losses[-100:]}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
