@@ -2,11 +2,10 @@
 """Could a pre-LLM keep that reads the question hold 8x where a question-blind one cannot?
 
 On the crowded fine-detail page a 3x reduction must drop or merge glyphs, and one that has not
-read the question (deviation, merging) cannot know which glyph is asked. This probe fits a small
-scorer of each projected vision token against the mean embedding of the prompt's text tokens
-(`QueryScorer`: a rank-`--rank` bilinear term plus a question-blind one, a few thousand weights)
-to what the fine-tuned MoD model's routed layers run when every token enters (their processed
-share of each vision token, on training pictures: no answer box is read), then scores it on the
+read the question (deviation, merging) cannot know which glyph is asked. This probe fits
+`vlmod.tools.query_keep.QueryScorer` (each projected vision token against the mean embedding of
+the prompt's text tokens, rank `--rank`) to what the fine-tuned MoD model's routed layers run when
+every token enters (`fit_query_scorer`, on training pictures: no answer box is read), then scores it on the
 validation pictures: how often the asked glyph's patches are among the kept ones (recall, read
 from the records' `answer_patches`), and the accuracy of `--model` behind that keep at the
 recipe's point (`--keep`, `--capacity`) against the same model behind the recipe's own keep.
@@ -22,87 +21,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from vlmod.cli.argtypes import HelpFormatter
 
-IGNORE = -100
-
-
-class QueryScorer(nn.Module):
-    """s_i = <K norm(v_i), Q mean_t(e_t)> / sqrt(r) + p(norm(v_i)): vision token i against the mean
-    embedding of the prompt's text tokens."""
-
-    def __init__(self, dim: int, rank: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.key = nn.Linear(dim, rank)
-        self.query = nn.Linear(dim, rank, bias=False)
-        self.prior = nn.Linear(dim, 1)
-        self.rank = rank
-
-    def forward(self, vision: Tensor, question: Tensor) -> Tensor:
-        """vision [B, N, D], question [B, D] (the mean text embedding) -> scores [B, N]."""
-        h = self.norm(vision)
-        q = self.query(question).unsqueeze(1)
-        return (self.key(h) * q).sum(-1) / math.sqrt(self.rank) + self.prior(h).squeeze(-1)
-
-
-def prompt_mean(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
-    """[B, D]: the mean input embedding of each row's text tokens, the answer's left out."""
-    ids = batch["input_ids"]
-    text = (ids != model.config.image_token_id) & batch["attention_mask"].bool()
-    if "labels" in batch:
-        text &= batch["labels"] == IGNORE
-    embeds = model.get_input_embeddings()(ids).float()
-    return (embeds * text.unsqueeze(-1)).sum(1) / text.sum(1, keepdim=True).clamp_min(1)
-
-
-def vision_features(model: nn.Module, pixels: Tensor, rows: int) -> Tensor:
-    out = model.get_image_features(pixel_values=pixels)
-    feats = getattr(out, "pooler_output", out)
-    feats = torch.cat([f.reshape(-1, f.shape[-1]) for f in feats]) if isinstance(feats, list | tuple) else feats
-    return feats.reshape(rows, -1, feats.shape[-1]).float()
-
 
 def collect(model: nn.Module, ds: Any, count: int, batch_size: int) -> tuple[Tensor, Tensor, Tensor]:
-    """(vision [n, N, D], question [n, D], target [n, N]): the target is the share of the MoD
-    model's routed layers that ran each vision token, every token entering."""
-    from tqdm import tqdm
+    """(vision [n, N, D], question [n, D], target [n, N]) of the first `count` items (`routed_targets`)."""
+    from vlmod.tools.query_keep import routed_targets
+    from vlmod.tools.reduction import PreLLMReduction
 
-    from vlmod.data.collate import collate
-    from vlmod.routing.trace import trace_routing
-
-    vision, question, target = [], [], []
-    for start in tqdm(range(0, count, batch_size), desc="targets", mininterval=30):
-        batch = collate([ds[i] for i in range(start, min(start + batch_size, count))])
-        rows = batch["input_ids"].shape[0]
-        with torch.no_grad(), trace_routing(model) as trace:
-            model(**batch)
-        is_image = batch["input_ids"] == model.config.image_token_id
-        ran = torch.stack([p.float() for (part, _), p in trace.processed.items() if part == "language"]).mean(0)
-        with torch.no_grad():
-            vision.append(vision_features(model, batch["pixel_values"], rows))
-            question.append(prompt_mean(model, batch))
-        target.append(ran[is_image].view(rows, -1))
-    return torch.cat(vision), torch.cat(question), torch.cat(target)
-
-
-def fit(scorer: QueryScorer, vision: Tensor, question: Tensor, target: Tensor, steps: int, seed: int) -> list[float]:
-    """Listwise: the softmax of a row's scores against its normalised target shares."""
-    gen = torch.Generator().manual_seed(seed)
-    opt = torch.optim.Adam(scorer.parameters(), lr=3e-3)
-    goal = target / target.sum(1, keepdim=True).clamp_min(1e-6)
-    losses = []
-    for _ in range(steps):
-        pick = torch.randint(0, vision.shape[0], (64,), generator=gen)
-        loss = -(goal[pick] * F.log_softmax(scorer(vision[pick], question[pick]), -1)).sum(-1).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
+    reducer = PreLLMReduction(model, 1.0, "deviation")
+    parts = [routed_targets(model, reducer, ds.collate([ds[i] for i in range(start, min(start + batch_size, count))]))
+             for start in range(0, count, batch_size)]
+    return tuple(torch.cat(chunk) for chunk in zip(*parts, strict=True))
 
 
 def recall(scores: Tensor, records: list, keep: float) -> float:
@@ -117,7 +49,7 @@ def recall(scores: Tensor, records: list, keep: float) -> float:
     return hit / total
 
 
-def train_behind(scorer: QueryScorer, run: Path, args: argparse.Namespace) -> None:
+def train_behind(scorer: nn.Module, run: Path, args: argparse.Namespace) -> None:
     """The recipe again in a copy of `run` (its dense and MoD stages kept), its stacked stage
     trained and evaluated behind the scorer's keep: the stack's deviation ranking, with no pooling,
     merging or contextual tokens (no baseline uses that combination), ranks by the scorer instead.
@@ -136,10 +68,8 @@ def train_behind(scorer: QueryScorer, run: Path, args: argparse.Namespace) -> No
         features, scores, token_id = ranked(self, inputs)
         if self.scoring != "deviation" or self.pool > 1 or self.merge or self.contextual > 0:
             return features, scores, token_id
-        rows = inputs["input_ids"].shape[0]
-        with torch.no_grad():
-            scores = scorer(features.detach().float().view(rows, -1, features.shape[-1]), prompt_mean(self.model, inputs))
-        return features, scores.reshape(-1), token_id
+        self.scorer = scorer
+        return features, self._query_scores(features, inputs, token_id), token_id
 
     PreLLMReduction._ranked_media = by_scorer
     # --reuse-trained keeps the MoD stage; the stacked one trains again (its time as the stage's).
@@ -192,6 +122,7 @@ def main() -> None:
     from vlmod.data.dataset import LlavaDataset
     from vlmod.data.llava_format import load_records
     from vlmod.evaluation.evaluate import evaluate
+    from vlmod.tools.query_keep import fit_query_scorer
     from vlmod.tools.reduction import PreLLMReduction, reduction_flops
 
     torch.manual_seed(0)
@@ -201,13 +132,9 @@ def main() -> None:
     mod = vlmod.load_pretrained(run / "mod" / "model").eval()
     train = LlavaDataset(load_records(data / "train.json")[:args.fit_samples], processor, data)
     started = time.time()
-    vision, question, target = collect(mod, train, len(train), args.batch_size)
-    collected = time.time() - started
-    scorer = QueryScorer(vision.shape[-1], args.rank)
-    losses = fit(scorer, vision, question, target, args.steps, 0)
-    scorer.eval()
-    print(f"targets from {len(train)} pictures in {collected:.0f} s; fit loss {losses[0]:.3f} -> "
-          f"{sum(losses[-100:]) / 100:.3f}")
+    scorer = fit_query_scorer(mod, train, samples=len(train), steps=args.steps, rank=args.rank,
+                              batch_size=args.batch_size, seed=0)
+    print(f"scorer fitted on {len(train)} pictures in {time.time() - started:.0f} s")
 
     raw = json.loads((data / "val.json").read_text())[:args.num_samples]
     val = LlavaDataset(load_records(data / "val.json")[:args.num_samples], processor, data)
@@ -221,16 +148,6 @@ def main() -> None:
     for name, value in recalls.items():
         print(f"| {name} | {100 * value:.1f}% |")
 
-    class QueryKeep(PreLLMReduction):
-        """The reduction with the scorer's ranking (features as the model's own)."""
-
-        def _ranked_media(self, inputs: Any) -> tuple[Tensor, Tensor, int]:
-            features, _, token_id = super()._ranked_media(inputs)
-            rows = inputs["input_ids"].shape[0]
-            with torch.no_grad():
-                scores = scorer(features.float().view(rows, -1, features.shape[-1]), prompt_mean(self.model, inputs))
-            return features, scores.reshape(-1), token_id
-
     # Each picture's answer patches by its pixels (evaluate runs each batch twice: forward, generate).
     answers = {round(val[i]["pixel_values"].double().sum().item(), 2): r["meta"]["answer_patches"]
                for i, r in enumerate(raw)}
@@ -240,11 +157,8 @@ def main() -> None:
         misses the answer would score."""
 
         def _ranked_media(self, inputs: Any) -> tuple[Tensor, Tensor, int]:
-            features, _, token_id = super()._ranked_media(inputs)
-            rows = inputs["input_ids"].shape[0]
-            with torch.no_grad():
-                scores = scorer(features.float().view(rows, -1, features.shape[-1]), prompt_mean(self.model, inputs))
-            scores = torch.sigmoid(scores)
+            features, scores, token_id = super()._ranked_media(inputs)
+            scores = torch.sigmoid(scores).view(inputs["input_ids"].shape[0], -1)
             for row, pixels in enumerate(inputs["pixel_values"]):
                 scores[row, answers[round(pixels.double().sum().item(), 2)]] += 10.0
             return features, scores.reshape(-1), token_id
@@ -257,8 +171,8 @@ def main() -> None:
     settings = json.loads((run / "results.json").read_text())["settings"]
     merge = bool(settings.get("stack_merge"))
     rows = {}
-    for name, reducer in (("query scorer", QueryKeep(model, args.keep, "deviation")),
-                          ("the answer's patches, then the scorer", OracleKeep(model, args.keep, "deviation")),
+    for name, reducer in (("query scorer", PreLLMReduction(model, args.keep, "query", scorer=scorer)),
+                          ("the answer's patches, then the scorer", OracleKeep(model, args.keep, "query", scorer=scorer)),
                           ("the recipe's keep (" + ("merging" if merge else settings["stack_scoring"]) + ")",
                            PreLLMReduction(model, args.keep, settings["stack_scoring"], merge=merge))):
         report = evaluate(reducer, processor, val, batch_size=args.batch_size, max_new_tokens=4, progress=False,
@@ -268,7 +182,7 @@ def main() -> None:
     for name, row in rows.items():
         print(f"| {name} | {100 * row['accuracy']:.1f}% | {row['language_gflops']:.4f} |")
     if args.json:
-        Path(args.json).write_text(json.dumps({"recall": recalls, "accuracy": rows, "fit_loss": losses[-100:]}, indent=1))
+        Path(args.json).write_text(json.dumps({"recall": recalls, "accuracy": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -39,6 +39,8 @@ carrying its group's mean at its own place (the ranking then only trims a clip's
 Selection is the engine's: text is protected, the top-k vision tokens of each row are kept in their original
 order (`vlmod.routing.selection`), and the kept sequence is left-padded for generation.
 
+`scoring="query"` reads the question: a fitted `scorer` (`vlmod.tools.query_keep`) scores each
+feature against the prompt's mean embedding.
 Supported: `LlavaForConditionalGeneration` (images) and `LlavaNextVideoForConditionalGeneration`
 (videos); the attention rankings need a CLIP tower (a CLS token), the feature rankings any tower
 (SigLIP's too). Cost counted by `reduction_flops`: the dense tower, the scoring (the CLS query or
@@ -72,7 +74,7 @@ from vlmod.tools.merging import frame_merge_flops, merge_frames
 
 IGNORE_INDEX = -100
 SCORINGS = ("cls", "mean", "deviation", "novelty")
-FEATURE_SCORINGS = ("deviation", "novelty")  # read the features alone: no attention, no tower hook
+FEATURE_SCORINGS = ("deviation", "novelty", "query")  # read the features (and the prompt): no tower hook
 
 
 def _check(model: nn.Module, scoring: str) -> None:
@@ -109,10 +111,15 @@ class PreLLMReduction(nn.Module):
     `model.generate`)."""
 
     def __init__(self, model: nn.Module, keep: float, scoring: str = "cls", contextual: float = 0.0, pool: int = 1,
-                 merge: bool = False):
+                 merge: bool = False, scorer: nn.Module | None = None):
         super().__init__()
-        if scoring not in SCORINGS:
-            raise ValueError(f"scoring must be one of {', '.join(SCORINGS)}, got {scoring!r}")
+        if scoring not in (*SCORINGS, "query"):
+            raise ValueError(f"scoring must be one of {', '.join(SCORINGS)} or query, got {scoring!r}")
+        if (scoring == "query") != (scorer is not None):
+            raise ValueError("scoring='query' ranks by a fitted scorer: give both, or neither "
+                             "(vlmod.tools.query_keep.fit_query_scorer fits one)")
+        if scoring == "query" and (pool > 1 or merge or contextual > 0):
+            raise ValueError("scoring='query' keeps the tokens its scorer ranks highest: give no pool, merge or contextual")
         _check(model, scoring)
         if not 0.0 < keep <= 1.0:
             raise ValueError(f"keep must be in (0, 1] (the fraction of vision tokens kept), got {keep}")
@@ -134,6 +141,7 @@ class PreLLMReduction(nn.Module):
         self.contextual = float(contextual)
         self.pool = pool
         self.merge = bool(merge)
+        self.scorer = scorer
         self.last_length: int | None = None  # the language model's sequence length in the last forward
 
     @property
@@ -194,6 +202,8 @@ class PreLLMReduction(nn.Module):
         images = vision_images(inputs)
         if self.pool > 1:
             features, anchors = self._pooled(features, images)
+        if self.scoring == "query":
+            return features, self._query_scores(features, inputs, int(token_id)), int(token_id)
         if self.scoring in FEATURE_SCORINGS:
             if self.pool == 1:
                 return features, self._deviation(features, images, self._clip_frames(inputs)), int(token_id)
@@ -212,6 +222,11 @@ class PreLLMReduction(nn.Module):
             summed = self._window_means(scores.unsqueeze(-1), images).squeeze(-1) * self.pool**2
             scores = torch.full_like(scores, float("-inf")).masked_scatter(anchors, summed)
         return features, scores, int(token_id)
+
+    def _query_scores(self, features: Tensor, inputs: Mapping[str, Any], token_id: int) -> Tensor:
+        """[N]: each feature scored against its row's prompt by the fitted scorer."""
+        with torch.no_grad():
+            return self.scorer.score_media(features.detach(), inputs, token_id, self.model.get_input_embeddings())
 
     def _window_means(self, values: Tensor, images: int) -> Tensor:
         """[images * (side / pool) ** 2, C]: the mean of `values` [N, C] (each frame's square grid,
@@ -466,7 +481,9 @@ def reduction_flops(reducer: PreLLMReduction, inputs: Mapping[str, Any], trace: 
     frames = vision_images(inputs)
     dims = hf_vision_dims(cfg.vision_config)
     n_vision, kept = reducer.vision_tokens(inputs)
-    if reducer.scoring in FEATURE_SCORINGS:  # a mean, a difference and a norm over every feature
+    if reducer.scoring == "query":  # the scorer on each row's features, and the prompt's mean embedding
+        scoring, vision = 0.0, float(reducer.scorer.flops(float(n_vision.double().mean())))
+    elif reducer.scoring in FEATURE_SCORINGS:  # a mean, a difference and a norm over every feature
         scoring = 0.0  # novelty on clips: a second difference and norm, and a minimum
         vision = (7.0 if reducer._clip_frames(inputs) > 1 else 4.0) * cfg.text_config.hidden_size * float(n_vision.double().mean())
     else:
