@@ -103,7 +103,7 @@ def main() -> None:
     parser.add_argument("--num-samples", type=int, default=400, help="validation pictures scored (default: 400)")
     parser.add_argument("--rank", type=int, default=32, help="the scorer's bilinear rank (default: 32)")
     parser.add_argument("--steps", type=int, default=1500, help="the scorer's fitting steps (default: 1500)")
-    parser.add_argument("--batch-size", type=int, default=16, help="(default: 16)")
+    parser.add_argument("--batch-size", type=int, default=16, help="rows a batch, fitting and evaluating (default: 16)")
     parser.add_argument("--train-out", default=None, help="instead of the evaluations: a copy of the run (made here) "
                         "whose recipe trains its stacked stage again behind the scorer's keep, dropping the rest "
                         "(default: none)")
@@ -113,6 +113,10 @@ def main() -> None:
     args = parser.parse_args()
     if not 0.0 < args.keep <= 1.0 or not 0.0 < args.capacity <= 1.0:
         parser.error("--keep and --capacity are shares of the vision tokens, in (0, 1]")
+    needs = [Path(args.run) / p for p in ("data/train.json", "data/val.json", "mod/model", f"{args.model}/model",
+                                          "results.json")]
+    if any(not p.exists() for p in needs):
+        parser.error(f"{args.run} is not a finished fine-detail recipe run (no {next(p for p in needs if not p.exists())})")
     if args.train_out and Path(args.train_out).exists():
         parser.error(f"--train-out {args.train_out} exists; give a new folder")
 
