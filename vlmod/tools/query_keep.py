@@ -6,7 +6,7 @@ more candidate answers than the keep has slots (a page of about 20 glyphs, each 
 tokens, at 8x: at most 46.5% of the tokens may enter layer 0), such a keep cannot know which one is
 asked. `QueryScorer` scores each projected vision token against the mean input embedding of the
 prompt's text tokens (a rank-r bilinear term plus a question-blind one: 8,609 weights at width 128,
-about 1.3 MFLOPs a 144-token picture), so the keep is chosen for the question.
+about 1.4 MFLOPs a 144-token picture), so the keep is chosen for the question.
 
 `fit_query_scorer` fits it, on training media, to what a fine-tuned MoD model's routed layers run
 when every token enters (each vision token's share of those layers, a listwise softmax loss): the
@@ -16,7 +16,8 @@ fitted scorer keeps the asked glyph's patches in its 28.5% for 92-95% of picture
 where the stack on merging lost 4.6 on one (docs/results-history.md).
 
 A scorer is saved as `query_scorer.safetensors` with its shape in `query_scorer.json`, each written
-under a temporary name and renamed, so a folder holds a whole scorer or none.
+under a temporary name and renamed, so neither is ever half-written (a folder left with one of them
+says so when loaded).
 """
 
 from __future__ import annotations
