@@ -475,7 +475,10 @@ def test_recipe_settings_refuse_bad_values(tmp_path: Path, capsys: pytest.Captur
     assert main(["recipe", "--quick", "--out", str(tmp_path / "run"), "--stack-pool", "3"]) == 2
     assert "--stack-pool 3: the pictures' 8 x 8 patches do not split into 3 x 3 windows" in capsys.readouterr().err
     assert main(["recipe", "--quick", "--out", str(tmp_path / "run"), "--stack-scoring", "max"]) == 2
-    assert "stack_scoring must be one of cls, mean, deviation, novelty, got 'max'" in capsys.readouterr().err
+    assert "stack_scoring must be one of cls, mean, deviation, novelty or query, got 'max'" in capsys.readouterr().err
+    for flags in (["--task", "detail", "--stack-merge"], ["--task", "video"]):  # the query keep drops, in pictures
+        assert main(["recipe", "--quick", "--out", str(tmp_path / "run"), "--stack-scoring", "query", *flags]) == 2
+        assert "--stack-scoring query keeps the tokens its scorer ranks highest in pictures" in capsys.readouterr().err
     assert main(["recipe", "--quick", "--out", str(tmp_path / "run"), "--reduce-contextual", "1"]) == 2
     assert "reduce_contextual is the share of the kept slots that are merged, in [0, 1), got 1.0" in capsys.readouterr().err
     assert main(["recipe", "--quick", "--out", str(tmp_path / "run"), "--stack-train-from", "0.5"]) == 2
@@ -1067,3 +1070,24 @@ def test_isoflop_flag_runs_the_check_and_refuses_what_does_not_fit(tmp_path: Pat
         assert main(["recipe", "--quick", "--isoflop", "--out", str(tmp_path / "run"), *argv]) == 2
         assert message in capsys.readouterr().err
     assert RecipeSettings.for_task("image", isoflop=True).dense_steps < RecipeSettings.for_task("image").dense_steps
+
+
+def test_the_quick_detail_recipe_stacks_on_the_keep_that_reads_the_question(tmp_path: Path) -> None:
+    """`--stack-scoring query`: between the MoD and stacked stages the recipe fits the keep that reads
+    the question to the MoD stage's routing (`vlmod.recipes.keep`), saves it in keep/, trains the
+    stacked stage behind it (dropping, at merging's 8x splits) and evaluates the stack behind it."""
+    from vlmod.cli import main
+    from vlmod.tools.query_keep import SCORER_CONFIG, SCORER_WEIGHTS
+
+    out = tmp_path / "detail"
+    assert main(["recipe", "--task", "detail", "--quick", "--stack-scoring", "query", "--out", str(out),
+                 "--no-progress"]) == 0
+    assert sorted(p.name for p in (out / "keep").iterdir()) == sorted([SCORER_CONFIG, SCORER_WEIGHTS])
+    config = json.loads((out / "stack" / "train_log.json").read_text())["config"]
+    assert (config["reduce_scoring"], config["reduce_merge"], config["reduce_pool"]) == ("query", False, 1)
+    assert Path(config["reduce_scorer"]) == out / "keep"
+    result = json.loads((out / "results.json").read_text())
+    assert (result["settings"]["stack_share"], result["settings"]["stack_train_share"]) == ({"8.0": 0.6}, {"8.0": 0.5})
+    assert "fit keep" in result["stage_seconds"]
+    stacked = [r for r in result["results"] if r["method"] == "stacked-attention" and r.get("accuracy") is not None]
+    assert stacked and all(" by query, " in r["setting"] for r in stacked)

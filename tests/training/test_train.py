@@ -309,6 +309,8 @@ def test_keeps_pair_with_capacities(workdir: Path, tmp_path: Path) -> None:
         ({"reduce_keep": 0.2, "reduce_pool": 2, "reduce_contextual": 0.1}, "two ways of merging"),
         ({"reduce_keep": 0.2, "reduce_pool": 2, "reduce_merge": True}, "each a way of merging the tokens"),
         ({"reduce_keep": 0.2, "reduce_merge": "yes"}, "reduce_merge is true or false"),
+        ({"reduce_keep": 0.2, "reduce_scoring": "query"}, "give reduce_scorer \\(its folder\\) with it"),
+        ({"reduce_keep": 0.2, "reduce_scorer": "keep"}, "give reduce_scorer \\(its folder\\) with it, and only with it"),
     ],
 )
 def test_reduction_settings_are_checked(workdir: Path, tmp_path: Path, settings: dict, message: str) -> None:

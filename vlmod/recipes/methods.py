@@ -21,6 +21,7 @@ from vlmod.api import apply_mod, set_capacity, set_router
 from vlmod.config import MoDConfig
 from vlmod.evaluation import frontier, knobs
 from vlmod.io.hf import load_pretrained
+from vlmod.recipes.keep import load_query_scorer
 from vlmod.recipes.points import POOL, ours, reachable, reduction_methods
 from vlmod.tools.reduction import PreLLMReduction, reduction_flops
 
@@ -165,8 +166,9 @@ class PointEvaluations:
 
         def run_stacked() -> Any:
             set_capacity(self.stack_model, cap)
+            scorer = load_query_scorer(self.keep_dir) if self.s.stack_scoring == "query" else None
             reducer = PreLLMReduction(self.stack_model, keep, self.s.stack_scoring, pool=self.s.stack_pool,
-                                      merge=self.s.stack_merge)
+                                      merge=self.s.stack_merge, scorer=scorer)
             report = self.evaluated(reducer, f"stacked /{t:g}", flops_fn=reduction_flops)  # ours: every question
             # Of all the vision tokens: the MoD layers' share of the kept ones, times the kept share.
             report.processed_fraction = {k: v * keep for k, v in report.processed_fraction.items()}

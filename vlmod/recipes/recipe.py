@@ -60,6 +60,7 @@ from vlmod.io.files import save_pretrained_atomic, write_json, write_text
 from vlmod.io.hf import load_pretrained, max_positions
 from vlmod.models import tiny
 from vlmod.recipes.cost import format_costs, run_cost
+from vlmod.recipes.keep import KEEP_RUN, fit_keep
 from vlmod.recipes.methods import PointEvaluations
 from vlmod.recipes.points import describe_points, ours, solve_points, stack_training_points
 from vlmod.recipes.reuse import (
@@ -408,14 +409,18 @@ class _Recipe(PointEvaluations):
         # on video's, the stacked model still matched or beat the MoD model stacked at 1.5x and 3x.
         train_from = s.train_up_to if s.stack_train_from is None else s.stack_train_from
         stacked = [p for p in result.points if p.get("stack_keep") is not None and p["target"] > train_from]
-        self.stack = self.mod
+        self.stack, keep = self.mod, {}
+        if s.stacked and s.stack_scoring == "query":  # the keep that reads the question (`vlmod.recipes.keep`)
+            self.keep_dir = stages.run("fit keep", lambda: fit_keep(self.mod, self.train_json, self.processor,
+                                                                    self.out / KEEP_RUN, self.progress))
+            keep = {"reduce_scorer": str(self.keep_dir)}
         if s.stacked and s.stack_steps and stacked:
             draws = stack_training_points(self.dims, self.counts, s, result.layers, stacked)
             self.stack = stages.run("train stacked", lambda: self.finetune(
                 self.mod, "stack", trainable="language", lr=s.stack_lr, max_steps=s.stack_steps, router_lr=s.router_lr,
                 capacities=[cap for _, cap in draws], reduce_keep=[keep for keep, _ in draws],
                 reduce_scoring=s.stack_scoring, reduce_pool=s.stack_pool,
-                reduce_merge=s.stack_merge, distill_from=mod_stage["distill_from"], **aux,
+                reduce_merge=s.stack_merge, distill_from=mod_stage["distill_from"], **aux, **keep,
             ))
         if s.dense_control:
             control = stages.run(CONTROL_STAGES[0], lambda: self.finetune(self.dense, "dense-control", **mod_stage))

@@ -35,7 +35,7 @@ DENSE_RUN, REFINED_RUN = "dense", "dense-refined"
 # Each training stage of a recipe and the run folder it trains into.
 TRAINING_RUNS = {"train on images": "image", "train dense": DENSE_RUN, "refine dense": REFINED_RUN,
                  "train MoD": "mod", "train stacked": "stack", CONTROL_STAGES[0]: "dense-control"}
-_RUN_PATHS = ("model", "data", "output_dir", "distill_from", "overwrite", "resume")  # follow from --out
+_RUN_PATHS = ("model", "data", "output_dir", "distill_from", "reduce_scorer", "overwrite", "resume")  # follow from --out
 
 
 RECIPE = "vlmod recipe"  # the command a recipe folder's marker names

@@ -44,9 +44,11 @@ KERNEL_FLAGS = ("avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw",
 # 2 x 2 pooling, every window kept, as the aligned set's tables ran it (`--no-unaligned
 # --no-stack-merge --dense-steps 2500`): pooling keeps a glyph on its window whole, and at 8x split
 # 0.3 MoD runs about one vision token a layer (seed 2's stacked model 97.2% there, 94.6% at 0.5).
-DETAIL_STACKS: dict[bool, dict[str, Any]] = {
+DETAIL_STACKS: dict[bool | str, dict[str, Any]] = {
     True: {"stack_merge": True, "stack_pool": 1, "stack_share": {8.0: 0.6}, "stack_train_share": {8.0: 0.5}},
     False: {"stack_merge": False, "stack_pool": 2, "stack_share": {8.0: 0.3}, "stack_train_share": None},
+    # `--stack-scoring query`: a keep that reads the question drops the rest, at merging's splits.
+    "query": {"stack_merge": False, "stack_pool": 1, "stack_share": {8.0: 0.6}, "stack_train_share": {8.0: 0.5}},
 }
 
 @dataclass
@@ -218,7 +220,8 @@ class RecipeSettings:
             # stack on token merging (`DETAIL_STACKS`, with why its 8x split). 4,000 dense steps: after 2,500
             # the page's seeds 1 and 2 had not found the glyph (37.9%, 25.8%), after 4,000 96.1% and 95.9%
             # (docs/results-history.md).
-            base.update(unaligned=True, dense_steps=4000, **DETAIL_STACKS[bool(overrides.get("stack_merge", True))])
+            stack = "query" if overrides.get("stack_scoring") == "query" else bool(overrides.get("stack_merge", True))
+            base.update(unaligned=True, dense_steps=4000, **DETAIL_STACKS[stack])
         if isoflop:
             # The check as docs/results.md reports it: MoD and dense from the same random tower.
             base.update(dense_steps=ISOFLOP_DENSE_STEPS, tower_steps=0)
@@ -283,8 +286,11 @@ class RecipeSettings:
         if not 0.0 <= self.reduce_contextual < 1.0:
             raise InputError(f"reduce_contextual is the share of the kept slots that are merged, in [0, 1), got "
                              f"{self.reduce_contextual}")
-        if self.stack_scoring not in SCORINGS:
-            raise InputError(f"stack_scoring must be one of {', '.join(SCORINGS)}, got {self.stack_scoring!r}")
+        if self.stack_scoring not in (*SCORINGS, "query"):
+            raise InputError(f"stack_scoring must be one of {', '.join(SCORINGS)} or query, got {self.stack_scoring!r}")
+        if self.stack_scoring == "query" and (self.stack_merge or self.stack_pool > 1 or self.task == "video"):
+            raise InputError("--stack-scoring query keeps the tokens its scorer ranks highest in pictures: give "
+                             "--no-stack-merge --stack-pool 1 (and a picture task)")
         if isinstance(self.stack_pool, bool) or not isinstance(self.stack_pool, int) or self.stack_pool < 1:
             raise InputError(f"stack_pool is the side of the windows the stack pools, a whole number >= 1 (1: none), "
                              f"got {self.stack_pool!r}")

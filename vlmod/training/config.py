@@ -75,6 +75,8 @@ class TrainConfig:
         windows (every patch enters, pooled; each keep then at most 1 / reduce_pool ** 2); 1: none.
     reduce_merge: that reduction merges each frame's most alike tokens until the keep is left
         (`vlmod.tools.merging`, ToMe-like) instead of dropping the worst ranked.
+    reduce_scorer: with reduce_scoring "query", the folder of the fitted scorer that reads the
+        question (`vlmod.tools.query_keep.save_query_scorer`).
     """
 
     model: str
@@ -125,6 +127,7 @@ class TrainConfig:
     reduce_contextual: float = 0.0
     reduce_pool: int = 1
     reduce_merge: bool = False
+    reduce_scorer: str | None = None
 
     def __post_init__(self) -> None:
         choices = {
@@ -190,8 +193,12 @@ class TrainConfig:
         if isinstance(self.reduce_keep, (list, tuple)) and len(self.reduce_keep) != len(self.capacities or []):
             raise TrainError(f"reduce_keep: a list of {len(self.reduce_keep)} keeps pairs each with a capacity; give "
                              f"`capacities` as long (got {len(self.capacities or [])}), or one keep")
-        if self.reduce_scoring not in (None, *REDUCE_SCORINGS):
-            raise TrainError(f"reduce_scoring must be one of {', '.join(REDUCE_SCORINGS)}; got {brief(self.reduce_scoring)}")
+        if self.reduce_scoring not in (None, *REDUCE_SCORINGS, "query"):
+            raise TrainError(f"reduce_scoring must be one of {', '.join(REDUCE_SCORINGS)} or query; "
+                             f"got {brief(self.reduce_scoring)}")
+        if (self.reduce_scoring == "query") != (self.reduce_scorer is not None):
+            raise TrainError("reduce_scoring: query ranks by a fitted scorer: give reduce_scorer (its folder) with it, "
+                             "and only with it")
         if not 0.0 <= self.reduce_contextual < 1.0:
             raise TrainError(f"reduce_contextual is the share of the kept slots that are merged, in [0, 1); "
                              f"got {brief(self.reduce_contextual)}")

@@ -345,8 +345,13 @@ def make_reducer(model: nn.Module, cfg: TrainConfig, accelerator: Any) -> nn.Mod
     try:
         # A list of keeps: the loop sets each step's (`vlmod.training.loop.step_keep`); the first until then.
         keeps = cfg.reduce_keep if isinstance(cfg.reduce_keep, (list, tuple)) else [cfg.reduce_keep]
+        scorer = None
+        if cfg.reduce_scorer is not None:
+            from vlmod.tools.query_keep import load_query_scorer
+
+            scorer = load_query_scorer(cfg.reduce_scorer).to(next(base.parameters()).device)
         return PreLLMReduction(base, keeps[0], cfg.reduce_scoring or "mean", cfg.reduce_contextual, cfg.reduce_pool,
-                               cfg.reduce_merge)
+                               cfg.reduce_merge, scorer)
     except ValueError as e:
         raise TrainError(f"reduce_keep: {e}") from None
 
