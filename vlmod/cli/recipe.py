@@ -56,7 +56,7 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
                            "deviation (each feature's distance from its frame's mean) or novelty (deviation, but "
                            "past a clip's first frame at most the distance from the same spot a frame earlier) "
                            "or query (pictures: a scorer that reads the question, fitted to the MoD stage's "
-                           "routing; with --no-stack-merge --stack-pool 1)"),
+                           "routing; the rest dropped, neither merged nor pooled)"),
     ("stack_pool", positive_int, "MoD stacked on pre-LLM reduction: average each picture's tokens in N x N windows "
                                  "first and keep every window (LLaVA-OneVision's 2 x 2 pooling), MoD reaching the rest "
                                  "of each point (1: the reduction drops tokens, --stack-share)"),

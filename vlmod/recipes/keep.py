@@ -11,7 +11,7 @@ from typing import Any
 
 from vlmod.data import LlavaDataset, load_records
 from vlmod.io.hf import load_pretrained
-from vlmod.tools.query_keep import fit_query_scorer, load_query_scorer, save_query_scorer
+from vlmod.tools.query_keep import fit_query_scorer, save_query_scorer
 
 KEEP_RUN = "keep"  # the run folder the scorer is saved into
 KEEP_SAMPLES = 2000  # training pictures its targets come from (25 s at one thread on the crowded page)
@@ -26,4 +26,4 @@ def fit_keep(mod_model: Path, train_json: Path, processor: Any, out: Path, progr
     return save_query_scorer(scorer, out)
 
 
-__all__ = ["KEEP_RUN", "KEEP_SAMPLES", "fit_keep", "load_query_scorer"]
+__all__ = ["KEEP_RUN", "KEEP_SAMPLES", "fit_keep"]

@@ -21,8 +21,8 @@ from vlmod.api import apply_mod, set_capacity, set_router
 from vlmod.config import MoDConfig
 from vlmod.evaluation import frontier, knobs
 from vlmod.io.hf import load_pretrained
-from vlmod.recipes.keep import load_query_scorer
 from vlmod.recipes.points import POOL, ours, reachable, reduction_methods
+from vlmod.tools.query_keep import load_query_scorer
 from vlmod.tools.reduction import PreLLMReduction, reduction_flops
 
 
