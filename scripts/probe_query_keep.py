@@ -26,17 +26,6 @@ from torch import Tensor, nn
 from vlmod.cli.argtypes import HelpFormatter
 
 
-def collect(model: nn.Module, ds: Any, count: int, batch_size: int) -> tuple[Tensor, Tensor, Tensor]:
-    """(vision [n, N, D], question [n, D], target [n, N]) of the first `count` items (`routed_targets`)."""
-    from vlmod.tools.query_keep import routed_targets
-    from vlmod.tools.reduction import PreLLMReduction
-
-    reducer = PreLLMReduction(model, 1.0, "deviation")
-    parts = [routed_targets(model, reducer, ds.collate([ds[i] for i in range(start, min(start + batch_size, count))]))
-             for start in range(0, count, batch_size)]
-    return tuple(torch.cat(chunk) for chunk in zip(*parts, strict=True))
-
-
 def recall(scores: Tensor, records: list, keep: float) -> float:
     """The share of the asked glyph's patches among each picture's top `keep` by `scores`."""
     k = math.ceil(keep * scores.shape[1])
@@ -126,7 +115,7 @@ def main() -> None:
     from vlmod.data.dataset import LlavaDataset
     from vlmod.data.llava_format import load_records
     from vlmod.evaluation.evaluate import evaluate
-    from vlmod.tools.query_keep import fit_query_scorer
+    from vlmod.tools.query_keep import fit_query_scorer, routed_dataset
     from vlmod.tools.reduction import PreLLMReduction, reduction_flops
 
     torch.manual_seed(0)
@@ -142,7 +131,7 @@ def main() -> None:
 
     raw = json.loads((data / "val.json").read_text())[:args.num_samples]
     val = LlavaDataset(load_records(data / "val.json")[:args.num_samples], processor, data)
-    v_vis, v_q, v_target = collect(mod, val, len(val), args.batch_size)
+    v_vis, v_q, v_target = routed_dataset(mod, val, len(val), args.batch_size, progress=False)
     with torch.no_grad():
         learned = scorer(v_vis, v_q)
     deviation = (v_vis - v_vis.mean(1, keepdim=True)).norm(dim=-1)

@@ -112,6 +112,23 @@ def routed_targets(model: nn.Module, reducer: PreLLMReduction, batch: Mapping[st
     return per_row(features.float(), is_media), question, per_row(target, is_media)
 
 
+def routed_dataset(model: nn.Module, dataset: Any, count: int, batch_size: int = 16,
+                   progress: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+    """`routed_targets` of the first `count` items of `dataset`, batch by batch, joined:
+    (vision [count, n, D], question [count, D], target [count, n])."""
+    from tqdm import tqdm
+
+    reducer = PreLLMReduction(model, 1.0, "deviation")
+    parts = []
+    for start in tqdm(range(0, count, batch_size), desc="query keep: targets", disable=not progress):
+        parts.append(routed_targets(model, reducer, dataset.collate([dataset[i] for i in range(start, min(start + batch_size, count))])))
+    if len({v.shape[1] for v, _, _ in parts}) > 1:
+        raise ValueError("the query keep is fitted on media of one size: every picture (clip) must give as many "
+                         "vision tokens")
+    vision, question, target = (torch.cat(chunk) for chunk in zip(*parts, strict=True))
+    return vision, question, target
+
+
 def fit_query_scorer(model: nn.Module, dataset: Any, samples: int, steps: int = 1500, rank: int = 32,
                      batch_size: int = 16, seed: int = 0, progress: bool = True) -> QueryScorer:
     """A `QueryScorer` fitted to `model`'s routing (a fine-tuned MoD model) on the first `samples`
@@ -125,19 +142,7 @@ def fit_query_scorer(model: nn.Module, dataset: Any, samples: int, steps: int = 
         raise ValueError(f"fitting the query keep needs at least one sample and one step, got {samples} and {steps}")
     if not any(part.name == "language" for part in find_parts(model)):
         raise ValueError("fitting the query keep needs a model with MoD language layers (vlmod.apply_mod) to learn from")
-    reducer = PreLLMReduction(model, 1.0, "deviation")
-    count = min(samples, len(dataset))
-    vision, question, target = [], [], []
-    for start in tqdm(range(0, count, batch_size), desc="query keep: targets", disable=not progress):
-        batch = dataset.collate([dataset[i] for i in range(start, min(start + batch_size, count))])
-        v, q, t = routed_targets(model, reducer, batch)
-        vision.append(v)
-        question.append(q)
-        target.append(t)
-    if len({v.shape[1] for v in vision}) > 1:
-        raise ValueError("the query keep is fitted on media of one size: every picture (clip) must give as many "
-                         "vision tokens")
-    v_all, q_all, t_all = torch.cat(vision), torch.cat(question), torch.cat(target)
+    v_all, q_all, t_all = routed_dataset(model, dataset, min(samples, len(dataset)), batch_size, progress)
     goal = t_all / t_all.sum(1, keepdim=True).clamp_min(1e-6)
     generator = torch.Generator().manual_seed(seed)
     with torch.random.fork_rng(devices=[]):  # the scorer's initial weights from `seed`, the caller's RNG untouched
@@ -183,5 +188,5 @@ def load_query_scorer(folder: str | Path) -> QueryScorer:
     return scorer.eval().requires_grad_(False)
 
 
-__all__: Sequence[str] = ["QueryScorer", "fit_query_scorer", "load_query_scorer", "per_row", "prompt_mean", "routed_targets",
+__all__: Sequence[str] = ["QueryScorer", "fit_query_scorer", "load_query_scorer", "per_row", "prompt_mean", "routed_dataset", "routed_targets",
                           "save_query_scorer"]
