@@ -46,7 +46,6 @@ def train_behind(scorer: nn.Module, run: Path, args: argparse.Namespace) -> None
     import shutil
 
     from vlmod.cli import main as cli
-    from vlmod.recipes import recipe
     from vlmod.tools.reduction import PreLLMReduction
 
     out = Path(args.train_out)
@@ -61,20 +60,9 @@ def train_behind(scorer: nn.Module, run: Path, args: argparse.Namespace) -> None
         return features, self._query_scores(features, inputs, token_id), token_id
 
     PreLLMReduction._ranked_media = by_scorer
-    # --reuse-trained keeps the MoD stage; the stacked one trains again (its time as the stage's).
-    reusable = recipe.reusable_finetune
-
-    def reuse_all_but_stack(out: Path, cfg: Any, router: str | None = None) -> tuple[Path, float]:
-        if Path(cfg.output_dir).name != "stack":
-            return reusable(out, cfg, router)
-        started = time.time()
-        model_dir = recipe.train(cfg, progress=False).model_dir
-        return model_dir, time.time() - started
-
-    recipe.reusable_finetune = reuse_all_but_stack
     settings = json.loads((run / "results.json").read_text())["settings"]
     argv = ["recipe", "--task", "detail", "--layout", settings["layout"], "--seed", str(settings["seed"]),
-            "--reuse-dense", "--reuse-trained", "--no-stack-merge", "--stack-pool", "1", "--stack-scoring", "deviation",
+            "--reuse-dense", "--reuse-trained", "mod", "--no-stack-merge", "--stack-pool", "1", "--stack-scoring", "deviation",
             "--stack-share", "8=0.6", "--stack-train-share", "8=0.5", "--threads", str(args.threads), "--no-progress",
             "--out", str(out)] + (["--quick"] if args.quick else [])
     print("vlmod " + " ".join(argv), flush=True)

@@ -366,6 +366,42 @@ def test_reuse_trained_only_evaluates_again(image_run: tuple, tmp_path: Path) ->
         run_recipe(tmp_path / "run", settings, progress=False, log=lambda _: None, reuse_trained=True)
 
 
+def test_reuse_trained_mod_keeps_the_mod_stage_and_trains_the_stacked_one_again(image_run: tuple, tmp_path: Path,
+                                                                               capsys: pytest.CaptureFixture) -> None:
+    """Before: --reuse-trained kept every fine-tune or none, so a change to the stacked stage alone
+    (another --stack-train-from) refused the reuse and trained the MoD stage again too. Now
+    `--reuse-trained mod` keeps the MoD stage byte for byte and trains the stacked stage again;
+    a name it does not know, or the stacked stage without the MoD one it starts from, is refused."""
+    import shutil
+
+    from vlmod.cli import main
+    from vlmod.errors import InputError
+
+    out, result = image_run
+    run = tmp_path / "run"
+    shutil.copytree(out, run)
+    mod_log = (run / "mod" / "train_log.json").read_bytes()
+    settings = dataclasses.replace(result.settings, stack_steps=result.settings.stack_steps + 1)
+    with pytest.raises(InputError, match="stack stage .* was trained with other max_steps"):
+        run_recipe(run, settings, progress=False, log=lambda _: None, reuse_dense=True, reuse_trained=True)
+    logs: list[str] = []
+    again = run_recipe(run, settings, progress=False, log=logs.append, reuse_dense=True, reuse_trained="mod")
+    assert (run / "mod" / "train_log.json").read_bytes() == mod_log  # kept
+    assert again.stages["train MoD"] == result.stages["train MoD"]
+    stack = json.loads((run / "stack" / "train_log.json").read_text())
+    assert stack["config"]["max_steps"] == settings.stack_steps  # trained again, with the new setting
+    assert "   stack: trained again (--reuse-trained keeps mod)" in logs
+    assert {r["method"] for r in again.rows} == {r["method"] for r in result.rows}
+    for bad, message in [("mod,bogus", "name fine-tunes among mod, stack, dense-control"),
+                         ("", "got '': name fine-tunes among"), ("stack", "keep mod too")]:
+        with pytest.raises(InputError, match=message):
+            run_recipe(run, settings, progress=False, log=lambda _: None, reuse_dense=True, reuse_trained=bad)
+    capsys.readouterr()  # the runs' own output
+    assert main(["recipe", "--quick", "--out", str(run), "--reuse-dense", "--reuse-trained", "mode"]) == 2
+    assert capsys.readouterr().err == ("error: --reuse-trained got 'mode': name fine-tunes among mod, stack, "
+                                       "dense-control (a comma list), or give no value to keep them all\n")
+
+
 def test_seeds_runs_each_seed_into_its_folder_and_writes_the_mean_and_worst(image_run: tuple, tmp_path: Path,
                                                                           capsys: pytest.CaptureFixture) -> None:
     """Before: `vlmod recipe` ran one seed; a table over seeds was put together by hand. Now

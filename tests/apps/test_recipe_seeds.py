@@ -157,6 +157,7 @@ def test_a_resumed_run_keeps_finished_seeds_and_trains_the_rest(tmp_path: Path) 
     Ledger(done, RECIPE).save()
     assert plan_seed(done, s, True, True, False).keep
     assert not plan_seed(done, RecipeSettings.for_task("image", quick=True, mod_steps=9), True, True, False).keep
+    assert not plan_seed(done, s, True, "mod", False).keep  # its stacked stage trains again
     fresh = plan_seed(tmp_path / "seed-1", s, True, True, False)
     assert not (fresh.keep or fresh.reuse_dense or fresh.overwrite)
     stopped = tmp_path / "seed-2"
@@ -172,7 +173,8 @@ def test_a_resumed_run_keeps_finished_seeds_and_trains_the_rest(tmp_path: Path) 
         (stopped / run / "model").mkdir(parents=True)
         (stopped / run / "model" / "model.safetensors").write_bytes(b"weights")
         (stopped / run / "train_log.json").write_text("{}")
-        assert plan_seed(stopped, s, True, True, False).reuse_trained == (run == "stack")
+        assert bool(plan_seed(stopped, s, True, True, False).reuse_trained) == (run == "stack")
+        assert plan_seed(stopped, s, True, "mod", False).reuse_trained == ("mod",)  # the stacked stage trains again
     # No target past the MoD stage's points: the recipe trains no stacked stage, nor waits for one.
     shutil.rmtree(stopped / "stack")
     near = RecipeSettings.for_task("image", quick=True, targets=(1.5, 2.0), stack_train_from=None)

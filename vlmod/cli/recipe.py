@@ -247,9 +247,11 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     parser.add_argument("--reuse-dense", action="store_true",
                         help="keep the dense model of an earlier run in --out (same settings); rerun the MoD stages "
                              "(default: train it)")
-    parser.add_argument("--reuse-trained", action="store_true",
-                        help="with --reuse-dense: keep the MoD fine-tune and the control of that run too (same "
-                             "settings) and only evaluate again, e.g. after a baseline changed (default: train them)")
+    parser.add_argument("--reuse-trained", nargs="?", const=True, default=False, metavar="RUN,...",
+                        help="with --reuse-dense: keep the fine-tunes of that run too (same settings) and only "
+                             "evaluate again, e.g. after a baseline changed; or keep only those named among mod, "
+                             "stack, dense-control (--reuse-trained mod trains the stacked stage again, e.g. with "
+                             "another --stack-train-from) (default: train them)")
     parser.add_argument("--overwrite", action="store_true",
                         help="train everything again in an earlier recipe run's --out, replacing its models and "
                              "results (default: refuse a non-empty --out; one holding files the recipe did not make "
@@ -272,6 +274,9 @@ def default_out(task: str, isoflop: bool = False) -> str:
 
 def run_recipe_command(args: argparse.Namespace) -> int:
     from vlmod.config import ROUTERS
+    from vlmod.recipes.reuse import kept_fine_tunes
+
+    args.reuse_trained = kept_fine_tunes(args.reuse_trained)  # a name it does not know: refused before anything
 
     overrides = {name: getattr(args, name) for name, _, _ in _FLAGS if getattr(args, name) is not None}
     if overrides.get("schedule") == "none":

@@ -70,7 +70,7 @@ def run_isoflop(out: str | Path, settings: RecipeSettings | None = None, progres
     if s.mod_layers != "all":
         raise InputError("--isoflop converts at step 0, before there is a model to rank: use --mod-layers all")
     with recipe_folder(out, reuse_dense, overwrite) as folder:
-        return _run_isoflop(_Recipe(folder, s, progress, log, reuse_trained=False), reuse_dense)
+        return _run_isoflop(_Recipe(folder, s, progress, log, reuse_trained=()), reuse_dense)
 
 
 def _run_isoflop(recipe: _Recipe, reuse_dense: bool) -> dict[str, Any]:

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -66,8 +66,10 @@ from vlmod.recipes.points import describe_points, ours, solve_points, stack_trai
 from vlmod.recipes.reuse import (
     CONTROL_STAGES,
     DENSE_RUN,
+    FINE_TUNES,
     REFINED_RUN,
     TRAINING_RUNS,
+    kept_fine_tunes,
     recipe_folder,
     reusable_dense,
     reusable_finetune,
@@ -124,18 +126,20 @@ def token_counts(dataset: Any, s: RecipeSettings, limit: int = 64) -> Any:
 @keeps_threads  # --threads applies to the recipe, not to what runs after it in the process
 def run_recipe(out: str | Path, settings: RecipeSettings | None = None, progress: bool = True,
                log: Callable[[str], None] = print, reuse_dense: bool = False,
-               reuse_trained: bool = False, overwrite: bool = False) -> RecipeResult:
+               reuse_trained: bool | str | Sequence[str] = False, overwrite: bool = False) -> RecipeResult:
     """Run every stage into `out` (see the module doc) and write results.json / results.md /
     frontier.png. reuse_dense: keep the dense model of an earlier run in `out` trained with the
     same settings (its training time is taken from that run's record); reuse_trained: keep its
-    MoD fine-tune and control too (the same settings), so only the evaluations run again;
+    MoD fine-tune, stacked stage and control too (the same settings), so only the evaluations run
+    again, or only those named (`kept_fine_tunes`: "mod" trains the stacked stage again);
     overwrite: train everything again in a folder an earlier recipe run made. `out` must be new,
     empty or a recipe's, and one recipe writes it at a time (`vlmod.recipes.reuse.recipe_folder`)."""
-    if reuse_trained and not reuse_dense:
+    kept = kept_fine_tunes(reuse_trained)
+    if kept and not reuse_dense:
         raise InputError("--reuse-trained goes with --reuse-dense (the fine-tunes start from that dense model)")
     check_image_model(settings or RecipeSettings())  # before anything is made, not after the data stage
     with recipe_folder(out, reuse_dense, overwrite) as folder:
-        recipe = _Recipe(folder, settings or RecipeSettings(), progress, log, reuse_trained)
+        recipe = _Recipe(folder, settings or RecipeSettings(), progress, log, kept)
         if reuse_dense:
             recipe.reuse_dense()
         else:
@@ -162,7 +166,7 @@ class _Recipe(PointEvaluations):
     methods' evaluations are `vlmod.recipes.methods`."""
 
     def __init__(self, out: Path, s: RecipeSettings, progress: bool, log: Callable[[str], None],
-                 reuse_trained: bool) -> None:
+                 reuse_trained: tuple[str, ...]) -> None:
         out.mkdir(parents=True, exist_ok=True)
         if s.threads:
             torch.set_num_threads(s.threads)
@@ -218,9 +222,11 @@ class _Recipe(PointEvaluations):
             batch_size=batch_size or s.batch_size, cache_data=True, seed=s.seed, log_steps=25, warmup=0.05,
             num_frames=s.frames, overwrite=True, **kw,
         )
-        if self.reuse_trained and run in ("mod", "stack", "dense-control"):
+        if run in self.reuse_trained:
             model_dir, self.trained[run] = reusable_finetune(self.out, cfg, None if run == "dense-control" else s.mod_router)
             return model_dir
+        if self.reuse_trained and run in FINE_TUNES:
+            self.log(f"   {run}: trained again (--reuse-trained keeps {', '.join(self.reuse_trained)})")
         return train(cfg, progress=self.progress).model_dir
 
     def pretrain(self, first: Path) -> Path:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import errno
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import MISSING, fields
 from pathlib import Path
@@ -36,6 +36,8 @@ DENSE_RUN, REFINED_RUN = "dense", "dense-refined"
 TRAINING_RUNS = {"train on images": "image", "train dense": DENSE_RUN, "refine dense": REFINED_RUN,
                  "train MoD": "mod", "train stacked": "stack", CONTROL_STAGES[0]: "dense-control"}
 _RUN_PATHS = ("model", "data", "output_dir", "distill_from", "reduce_scorer", "overwrite", "resume")  # follow from --out
+# The fine-tunes `--reuse-trained` keeps (all, or those it names), in the order the recipe trains them.
+FINE_TUNES = ("mod", "stack", "dense-control")
 
 
 RECIPE = "vlmod recipe"  # the command a recipe folder's marker names
@@ -272,13 +274,32 @@ def reusable_finetune(out: Path, cfg: Any, router: str | None = None) -> tuple[P
     return run / "model", seconds
 
 
+def kept_fine_tunes(reuse_trained: bool | str | Sequence[str]) -> tuple[str, ...]:
+    """The fine-tunes `--reuse-trained` keeps: every one (True), none (False), or those named (a
+    comma list or a sequence), so that a change to a later stage's settings trains that stage alone
+    again (`--reuse-trained mod` with another `--stack-train-from`)."""
+    if reuse_trained is True:
+        return FINE_TUNES
+    if reuse_trained is False:
+        return ()
+    names = [n.strip() for n in reuse_trained.split(",")] if isinstance(reuse_trained, str) else list(reuse_trained)
+    unknown = [n for n in names if n not in FINE_TUNES]  # "" too: a string names at least one
+    if unknown:
+        raise InputError(f"--reuse-trained got {', '.join(map(repr, unknown))}: name fine-tunes among "
+                         f"{', '.join(FINE_TUNES)} (a comma list), or give no value to keep them all")
+    if "stack" in names and "mod" not in names:
+        raise InputError("--reuse-trained stack: the stacked stage starts from the MoD stage's model, so keep mod too "
+                         "(--reuse-trained mod,stack)")
+    return tuple(n for n in FINE_TUNES if n in names)
+
+
 def _saved_router(model: Path) -> str | None:
     """The router kind a fine-tuned model's language MoD layers were saved with (None: none)."""
     config = read_record(model / "config.json", REUSE_TRAINED, ())
     return ((config.get("vlmod") or {}).get("language") or {}).get("router")
 
 
-__all__ = ["CONTROL_STAGES", "DENSE_RUN", "DENSE_SETTINGS", "FULL_DISK", "RECIPE", "REFINED_RUN", "REFINE_SETTINGS",
-           "REUSE_DENSE", "REUSE_TRAINED", "TRAINING_RUNS", "changed_settings", "check_recipe_out",
-           "dense_finished", "dense_model_dir", "full_disk", "made_by_recipe", "read_record", "recipe_folder",
-           "reusable_dense", "reusable_finetune", "reusable_refined", "run_again"]
+__all__ = ["CONTROL_STAGES", "DENSE_RUN", "DENSE_SETTINGS", "FINE_TUNES", "FULL_DISK", "RECIPE", "REFINED_RUN",
+           "REFINE_SETTINGS", "REUSE_DENSE", "REUSE_TRAINED", "TRAINING_RUNS", "changed_settings", "check_recipe_out",
+           "dense_finished", "dense_model_dir", "full_disk", "kept_fine_tunes", "made_by_recipe", "read_record",
+           "recipe_folder", "reusable_dense", "reusable_finetune", "reusable_refined", "run_again"]

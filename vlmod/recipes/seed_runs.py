@@ -7,7 +7,8 @@ flags apply to each: none (every seed folder new or empty), `--overwrite` (every
 again), `--reuse-dense` (each seed keeps its dense model). So that an interrupted run resumes in
 one command, `--reuse-dense` trains a seed afresh where its folder is empty or its dense stage had
 not finished, and `--reuse-trained` keeps a finished seed of the same settings as it is (not run
-again) and a seed's fine-tunes where they all finished. OUT itself holds the seed folders and the
+again) and a seed's fine-tunes where they all finished; `--reuse-trained mod` keeps each seed's MoD
+stage (where it finished) and trains the stacked stage again, e.g. under another `--stack-train-from`. OUT itself holds the seed folders and the
 combined files only, under its own marker; every refusal comes before any seed starts."""
 
 from __future__ import annotations
@@ -22,10 +23,12 @@ from typing import Any
 from vlmod.errors import InputError
 from vlmod.io.owned import Ledger, entries
 from vlmod.recipes.reuse import (
+    FINE_TUNES,
     FULL_DISK,
     changed_settings,
     check_recipe_out,
     dense_finished,
+    kept_fine_tunes,
     made_by_recipe,
     owned_folder,
     reusable_dense,
@@ -48,7 +51,7 @@ class SeedPlan:
     folder: Path
     keep: bool = False
     reuse_dense: bool = False
-    reuse_trained: bool = False
+    reuse_trained: tuple[str, ...] = ()  # the fine-tunes kept (`kept_fine_tunes`)
     overwrite: bool = False
     note: str = ""
 
@@ -62,29 +65,31 @@ def _same_settings(folder: Path, s: RecipeSettings) -> bool:
     return isinstance(saved, dict) and not changed_settings(saved, s, [f.name for f in fields(s) if f.name != "threads"])
 
 
-def _fine_tunes_finished(folder: Path, s: RecipeSettings) -> bool:
-    """Whether every fine-tune the recipe trains finished there: the stacked stage only where a
-    target lies past the points the MoD stage trains at (else the recipe skips it)."""
+def _fine_tunes_finished(folder: Path, s: RecipeSettings, kept: Sequence[str]) -> bool:
+    """Whether every fine-tune the recipe trains and `kept` names finished there: the stacked stage
+    only where a target lies past the points the MoD stage trains at (else the recipe skips it)."""
     train_from = s.train_up_to if s.stack_train_from is None else s.stack_train_from
     stacks = s.stacked and s.stack_steps and any(t > train_from for t in s.targets)
     runs = ["mod"] + ["stack"] * bool(stacks) + ["dense-control"] * s.dense_control
     return all((folder / r / "model" / "model.safetensors").is_file() and (folder / r / "train_log.json").is_file()
-               for r in runs)
+               for r in runs if r in kept)
 
 
-def plan_seed(folder: Path, s: RecipeSettings, reuse_dense: bool, reuse_trained: bool, overwrite: bool) -> SeedPlan:
+def plan_seed(folder: Path, s: RecipeSettings, reuse_dense: bool, reuse_trained: bool | str | Sequence[str],
+              overwrite: bool) -> SeedPlan:
     """What `folder` (seed `s.seed`) gets under the flags given (the module doc)."""
+    kept = kept_fine_tunes(reuse_trained)
     if not entries(folder):
         return SeedPlan(s.seed, folder, note=" (nothing to keep there)" if reuse_dense else "")
     if overwrite or not reuse_dense:  # as a one-seed run: `check_recipe_out` refuses an earlier run without a flag
         return SeedPlan(s.seed, folder, overwrite=overwrite)
-    if reuse_trained and _same_settings(folder, s):
+    if kept == FINE_TUNES and _same_settings(folder, s):
         return SeedPlan(s.seed, folder, keep=True, note=": finished with these settings, kept as it is")
     if not dense_finished(folder) and made_by_recipe(folder):
         return SeedPlan(s.seed, folder, overwrite=True, note=" (its dense stage had not finished: trained again)")
-    trained = reuse_trained and _fine_tunes_finished(folder, s)
-    note = " (its fine-tunes had not all finished: trained again)" if reuse_trained and not trained else ""
-    return SeedPlan(s.seed, folder, reuse_dense=True, reuse_trained=trained, note=note)
+    trained = bool(kept) and _fine_tunes_finished(folder, s, kept)
+    note = " (its fine-tunes had not all finished: trained again)" if kept and not trained else ""
+    return SeedPlan(s.seed, folder, reuse_dense=True, reuse_trained=kept if trained else (), note=note)
 
 
 def _foreign(out: Path, seeds: Sequence[int]) -> list[str]:
@@ -107,14 +112,15 @@ def check_seeds(seeds: Sequence[int]) -> list[int]:
 
 
 def run_seeds(out: str | Path, settings: RecipeSettings, seeds: Sequence[int], progress: bool = True,
-              log: Callable[[str], None] = print, reuse_dense: bool = False, reuse_trained: bool = False,
-              overwrite: bool = False) -> dict[str, Any]:
+              log: Callable[[str], None] = print, reuse_dense: bool = False,
+              reuse_trained: bool | str | Sequence[str] = False, overwrite: bool = False) -> dict[str, Any]:
     """Run the recipe of `settings` once per seed into `out`/seed-N (or keep a finished one,
     `plan_seed`) and write the combined results.md / results.json there; returns the combined record."""
     from vlmod.io.paths import check_output_dir
     from vlmod.recipes.recipe import run_recipe  # the training stack loads when a recipe runs
 
     seeds = check_seeds(seeds)
+    reuse_trained = kept_fine_tunes(reuse_trained)
     if reuse_trained and not reuse_dense:
         raise InputError("--reuse-trained goes with --reuse-dense (the fine-tunes start from that dense model)")
     if reuse_dense and overwrite:
