@@ -8,8 +8,9 @@ again), `--reuse-dense` (each seed keeps its dense model). So that an interrupte
 one command, `--reuse-dense` trains a seed afresh where its folder is empty or its dense stage had
 not finished, and `--reuse-trained` keeps a finished seed of the same settings as it is (not run
 again) and a seed's fine-tunes where they all finished; `--reuse-trained mod` keeps each seed's MoD
-stage (where it finished) and trains the stacked stage again, e.g. under another `--stack-train-from`. OUT itself holds the seed folders and the
-combined files only, under its own marker; every refusal comes before any seed starts."""
+stage (where it finished) and trains the stacked stage again, e.g. under another
+`--stack-train-from`. OUT itself holds the seed folders and the combined files only, under its own
+marker; every refusal comes before any seed starts."""
 
 from __future__ import annotations
 
