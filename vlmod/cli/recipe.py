@@ -276,7 +276,8 @@ def run_recipe_command(args: argparse.Namespace) -> int:
     from vlmod.config import ROUTERS
     from vlmod.recipes.reuse import kept_fine_tunes
 
-    args.reuse_trained = kept_fine_tunes(args.reuse_trained)  # a name it does not know: refused before anything
+    # a name it does not know, or no --reuse-dense: refused before anything
+    args.reuse_trained = kept_fine_tunes(args.reuse_trained, args.reuse_dense)
 
     overrides = {name: getattr(args, name) for name, _, _ in _FLAGS if getattr(args, name) is not None}
     if overrides.get("schedule") == "none":
@@ -335,8 +336,6 @@ def run_recipe_command(args: argparse.Namespace) -> int:
     from vlmod.recipes.reuse import check_recipe_out
 
     out = check_output_dir(args.out or default_out(args.task, args.isoflop), "--out")
-    if args.reuse_trained and not args.reuse_dense:
-        raise InputError("--reuse-trained goes with --reuse-dense (the fine-tunes start from that dense model)")
     check_recipe_out(out, args.reuse_dense, args.overwrite)  # before the training stack loads
     from vlmod.recipes.reuse import run_again
 

@@ -134,9 +134,7 @@ def run_recipe(out: str | Path, settings: RecipeSettings | None = None, progress
     again, or only those named (`kept_fine_tunes`: "mod" trains the stacked stage again);
     overwrite: train everything again in a folder an earlier recipe run made. `out` must be new,
     empty or a recipe's, and one recipe writes it at a time (`vlmod.recipes.reuse.recipe_folder`)."""
-    kept = kept_fine_tunes(reuse_trained)
-    if kept and not reuse_dense:
-        raise InputError("--reuse-trained goes with --reuse-dense (the fine-tunes start from that dense model)")
+    kept = kept_fine_tunes(reuse_trained, reuse_dense)
     check_image_model(settings or RecipeSettings())  # before anything is made, not after the data stage
     with recipe_folder(out, reuse_dense, overwrite) as folder:
         recipe = _Recipe(folder, settings or RecipeSettings(), progress, log, kept)

@@ -274,10 +274,18 @@ def reusable_finetune(out: Path, cfg: Any, router: str | None = None) -> tuple[P
     return run / "model", seconds
 
 
-def kept_fine_tunes(reuse_trained: bool | str | Sequence[str]) -> tuple[str, ...]:
+def kept_fine_tunes(reuse_trained: bool | str | Sequence[str], reuse_dense: bool | None = None) -> tuple[str, ...]:
     """The fine-tunes `--reuse-trained` keeps: every one (True), none (False), or those named (a
     comma list or a sequence), so that a change to a later stage's settings trains that stage alone
-    again (`--reuse-trained mod` with another `--stack-train-from`)."""
+    again (`--reuse-trained mod` with another `--stack-train-from`). Given `reuse_dense`, keeping any
+    without it is refused: the fine-tunes start from that dense model."""
+    kept = _named_fine_tunes(reuse_trained)
+    if kept and reuse_dense is False:
+        raise InputError("--reuse-trained goes with --reuse-dense (the fine-tunes start from that dense model)")
+    return kept
+
+
+def _named_fine_tunes(reuse_trained: bool | str | Sequence[str]) -> tuple[str, ...]:
     if reuse_trained is True:
         return FINE_TUNES
     if reuse_trained is False:

@@ -121,9 +121,7 @@ def run_seeds(out: str | Path, settings: RecipeSettings, seeds: Sequence[int], p
     from vlmod.recipes.recipe import run_recipe  # the training stack loads when a recipe runs
 
     seeds = check_seeds(seeds)
-    reuse_trained = kept_fine_tunes(reuse_trained)
-    if reuse_trained and not reuse_dense:
-        raise InputError("--reuse-trained goes with --reuse-dense (the fine-tunes start from that dense model)")
+    reuse_trained = kept_fine_tunes(reuse_trained, reuse_dense)
     if reuse_dense and overwrite:
         raise InputError("--reuse-dense and --overwrite contradict each other: keep the dense models of the runs in "
                          "--out, or train everything again")
