@@ -991,6 +991,26 @@ def test_results_record_the_kernels_versions_and_threads_the_numbers_depend_on(i
     assert ("1 thread;" in md) == (saved["threads"] == 1)  # not "1 threads"
 
 
+def test_a_rerun_of_the_same_command_gives_the_same_table_and_weights(image_run: tuple, tmp_path: Path) -> None:
+    """Issue 59: a rerun of the same command gives the same table to the digit on the same CPU.
+    The quick image recipe again, into a new folder: every row of results.json (accuracies, the
+    answer loss to the last bit, which questions each method got right), the set checks, every
+    stage's loss history and every model's weights the same. What may differ is the time."""
+    first, _ = image_run
+    again = tmp_path / "again"
+    run_recipe(again, RecipeSettings.for_task("image", quick=True), progress=False, log=lambda _: None)
+    one, two = (json.loads((run / "results.json").read_text()) for run in (first, again))
+    assert one["results"] == two["results"] and one["set_checks"] == two["set_checks"]
+    assert one["compute_points"] == two["compute_points"] and one["normalized_ranks"] == two["normalized_ranks"]
+    models = sorted(p.relative_to(first) for p in first.rglob("model.safetensors"))
+    assert {"dense/model/model.safetensors", "mod/model/model.safetensors"} <= {str(p) for p in models}
+    for path in models:
+        assert (first / path).read_bytes() == (again / path).read_bytes(), path
+    for log in sorted(p.relative_to(first) for p in first.rglob("train_log.json")):
+        assert (json.loads((first / log).read_text())["history"]
+                == json.loads((again / log).read_text())["history"]), log
+
+
 def test_the_recipe_checks_its_own_question_sets(image_run: tuple, video_run: tuple) -> None:
     """Before: results.json and results.md said nothing of whether the set needs the media, leaves
     the dense model room, or discriminates (issue 59). Now: both hold the set checks (blind
