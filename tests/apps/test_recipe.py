@@ -6,6 +6,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -448,6 +449,48 @@ def test_seeds_runs_each_seed_into_its_folder_and_writes_the_mean_and_worst(imag
             "-" if r is None else f"{100 * r['accuracy']:.1f}" for r in each) in table
     assert {(r["method"], r["target"]) for r in combined["results"]} == {
         (r["method"], r["target"]) for run in runs for r in run["results"]}
+
+
+def test_seeds_at_once_with_jobs_train_what_one_seed_at_a_time_does(image_run: tuple, tmp_path: Path,
+                                                                  capfd: pytest.CaptureFixture) -> None:
+    """`--seeds 0,1 --jobs 2`: each seed in a spawned process of its own (one thread each, the quick
+    recipe's), its lines under its seed; seed 0's results, loss histories and weights are those of
+    the module's one-seed quick run (one thread too), and the table over both seeds is written."""
+    from vlmod.cli import main
+
+    out = tmp_path / "seeds"
+    assert main(["recipe", "--quick", "--no-progress", "--seeds", "0,1", "--jobs", "2", "--out", str(out)]) == 0
+    said = capfd.readouterr().out
+    assert "== 2 seeds, 2 at once, 1 thread each" in said
+    assert "[seed 0] == train dense" in said and "[seed 1] == train dense" in said
+    assert re.search(r"== seed 1 finished in [0-9.]+ min \([12] of 2 ended\)", said)
+    first = image_run[0]
+    one, two = (json.loads((run / "results.json").read_text()) for run in (first, out / "seed-0"))
+    assert one["results"] == two["results"] and two["settings"]["threads"] == 1
+    for run in ("dense", "mod", "stack"):
+        assert (first / run / "model" / "model.safetensors").read_bytes() == (
+            out / "seed-0" / run / "model" / "model.safetensors").read_bytes(), run
+        assert (json.loads((first / run / "train_log.json").read_text())["history"]
+                == json.loads((out / "seed-0" / run / "train_log.json").read_text())["history"]), run
+    assert json.loads((out / "results.json").read_text())["seeds"] == [0, 1]
+
+
+def test_jobs_is_refused_without_seeds_or_past_the_cores(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from vlmod.cli import main
+
+    assert main(["recipe", "--quick", "--jobs", "2", "--out", str(tmp_path / "one")]) == 2
+    assert capsys.readouterr().err == ("error: --jobs runs several seeds at once: give --seeds too (e.g. --seeds "
+                                       "0,1,2 --jobs 2)\n")
+    monkeypatch.setattr("vlmod.recipes.seed_runs.available_cores", lambda: 2)
+    assert main(["recipe", "--quick", "--seeds", "0,1,2", "--jobs", "3", "--out", str(tmp_path / "three")]) == 2
+    assert capsys.readouterr().err == ("error: --jobs 3 is more seeds at once than this machine's 2 cores: give "
+                                       "--jobs 2 or fewer\n")
+    assert main(["recipe", "--quick", "--seeds", "0,1", "--jobs", "2", "--threads", "2", "--out",
+                 str(tmp_path / "three")]) == 2
+    assert capsys.readouterr().err == ("error: --jobs 2 x --threads 2 is 4 threads on 2 cores: they would contend "
+                                       "for the same cores; give --threads 1 or --jobs 1\n")
+    assert not (tmp_path / "three").exists()  # refused before anything was written
 
 
 def test_the_mod_stage_trains_the_points_up_to_train_up_to(image_run: tuple, video_run: tuple) -> None:

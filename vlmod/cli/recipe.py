@@ -181,6 +181,10 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                         help="run the recipe once per seed into OUT/seed-N (each as --seed N writes it), then one "
                              "table in OUT/results.md / results.json: each seed's score, the mean and the worst seed "
                              "(default: none: one seed, --seed)")
+    parser.add_argument("--jobs", type=positive_int, default=1,
+                        help="with --seeds: how many seeds run at once, each in a process of its own with --threads "
+                             "threads (then defaulting to the cores over --jobs); a seed's models follow its threads, "
+                             "not --jobs (default: 1)")
     parser.add_argument("--targets", type=finite_float, nargs="+", default=None,
                         help=f"LM prefill FLOPs reductions to reach (default: {' '.join(map(str, image.targets))})")
     parser.add_argument("--stack-share", nargs="+", type=share_at_target, default=None, metavar="[TARGET=]SHARE",
@@ -317,6 +321,8 @@ def run_recipe_command(args: argparse.Namespace) -> int:
     if args.seeds is not None and (args.seed is not None or args.isoflop):
         clash = "--seed" if args.seed is not None else "--isoflop"
         raise InputError(f"--seeds runs the frontier recipe once per seed: drop {clash}")
+    if args.jobs != 1 and args.seeds is None:
+        raise InputError("--jobs runs several seeds at once: give --seeds too (e.g. --seeds 0,1,2 --jobs 2)")
     if args.isoflop and (args.reuse_trained or args.dense_control):
         raise InputError("--isoflop trains its MoD models from scratch: drop --reuse-trained and --dense-control")
     settings = RecipeSettings.for_task(args.task, quick=args.quick, isoflop=args.isoflop, **overrides)
@@ -369,7 +375,7 @@ def _run_seeds(args: argparse.Namespace, settings: RecipeSettings) -> int:
     out = Path(args.out or default_out(args.task) + "-seeds").expanduser()
     try:
         run_seeds(out, settings, args.seeds, progress=not args.no_progress, reuse_dense=args.reuse_dense,
-                  reuse_trained=args.reuse_trained, overwrite=args.overwrite)
+                  reuse_trained=args.reuse_trained, overwrite=args.overwrite, jobs=args.jobs)
     except KeyboardInterrupt:
         print(f"error: interrupted (Ctrl-C); nothing was left half-written; {run_seeds_again(out, args.seeds)}",
               file=sys.stderr)
