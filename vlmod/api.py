@@ -9,7 +9,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
-from vlmod.config import ROUTERS, MoDConfig
+from vlmod.config import ATTENTION_ROUTERS, ROUTERS, MoDConfig
 from vlmod.plugins import find_plugin
 from vlmod.routing.attention import check_attention_router
 from vlmod.routing.layer import (
@@ -57,7 +57,7 @@ def apply_mod(model: nn.Module, config: MoDConfig, part: str | None = None) -> n
         )
     if not layers:
         raise ValueError(f"layers={config.layers!r} leaves no layer to convert in this {spec.name} part")
-    if "attention" in (config.router, config.aux_loss):
+    if config.router in ATTENTION_ROUTERS or config.aux_loss == "attention":
         check_attention_router(spec.adapter, [spec.blocks[i] for i in layers], spec.family)
     capacities = layer_capacities(config.capacity, layers, num_layers, config.capacity_schedule)
     part_obj = MoDPart(
@@ -158,7 +158,7 @@ def set_router(model: nn.Module, kind: str, part: str | None = None) -> nn.Modul
     if kind not in ROUTERS:
         raise ValueError(f"router must be one of {ROUTERS}, got {kind!r}")
     parts = _parts_named(model, part)
-    if kind == "attention":
+    if kind in ATTENTION_ROUTERS:
         for p in parts:
             p.check_attention_router()
     for p in parts:

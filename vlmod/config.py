@@ -37,7 +37,8 @@ class TokenType(IntEnum):
 # The names `--dtype` (and `dtype:` of a config) accept: "auto" keeps the checkpoint's own dtype,
 # as transformers 5 loads it; the others cast while loading.
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-ROUTERS = ("learned", "random", "stride", "inverted", "attention")
+ROUTERS = ("learned", "random", "stride", "inverted", "attention", "fastv")
+ATTENTION_ROUTERS = ("attention", "fastv")  # the kinds that rank by the layer's attention
 GATES = ("tanh", "sigmoid", "none")
 CAPACITY_SCHEDULES = (None, "cosine")
 AUX_LOSSES = (None, "bce", "attention")
@@ -56,7 +57,9 @@ class MoDConfig:
         "random" (same k, uniform), "stride" (an evenly spaced positional pattern of the same
         density), "inverted" (the k lowest learned scores) and "attention" (training-free: the
         routable tokens that receive the most attention from the instruction / prefix tokens at
-        the layer about to run, see `vlmod.routing.attention`). The gate always uses the learned
+        the layer about to run, see `vlmod.routing.attention`) and "fastv" (FastV's rule: the
+        first MoD layer of each forward ranks by that attention once, every later one runs the
+        top-k of the same ranking, so a token dropped there stays dropped). The gate always uses the learned
         router, which is g = 1 until trained, so "attention" needs no fine-tuning. Change the kind
         of a converted model with `vlmod.set_router` / `vlmod.use_router`.
     share_router: one router for all MoD layers of the part, instead of one per layer.

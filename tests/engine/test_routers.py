@@ -419,3 +419,29 @@ def test_convert_with_the_attention_router_is_usable_without_fine_tuning(llava_c
     assert int((trace.steps[0][("language", 1)][0] & image_tokens).sum()) == 8  # half of 16 image tokens
     assert main(["convert", "--model", str(source), "--out", str(tmp_path / "x"), "--router", "oracle"]) == 2
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_fastv_ranks_once_and_every_later_layer_runs_the_first_layers_tokens():
+    """FastV's rule: the first MoD layer of a forward ranks as the attention router does there, and
+    every later MoD layer runs the same tokens, so a token dropped there stays dropped (the attention
+    router ranks again at each layer, the recipe's stronger training-free baseline). The next
+    forward, on other pictures, ranks again; at capacity 1.0 the model is the upstream one."""
+    model, _ = _llava("llava", "eager")
+    inputs = _llava_inputs("llava")
+    other = {**inputs, "pixel_values": inputs["pixel_values"].flip(-1) * 2}
+    config = functools.partial(vlmod.MoDConfig, capacity=0.25, layers=[1, 2, 3])
+    attention = vlmod.apply_mod(copy.deepcopy(model), config(router="attention"))
+    fastv = vlmod.apply_mod(copy.deepcopy(model), config(router="fastv"))
+    for batch in (inputs, other):
+        with torch.no_grad(), vlmod.trace_routing(attention) as a, vlmod.trace_routing(fastv) as f:
+            attention(**batch)
+            fastv(**batch)
+        first, *later = sorted(f.processed)
+        assert torch.equal(f.processed[first], a.processed[first])
+        assert all(torch.equal(f.processed[layer], f.processed[first]) for layer in later)
+        assert not all(torch.equal(a.processed[layer], a.processed[first]) for layer in later)
+    dense = vlmod.apply_mod(copy.deepcopy(model), vlmod.MoDConfig(capacity=1.0, layers="all", router="fastv"))
+    real = inputs["attention_mask"].bool()
+    with torch.no_grad():
+        got, expected = dense(**inputs).logits[real], model(**inputs).logits[real]
+    assert ((got - expected).abs().max() / expected.abs().max()).item() <= 1e-5

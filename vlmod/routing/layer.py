@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from vlmod.config import MoDConfig
+from vlmod.config import ATTENTION_ROUTERS, MoDConfig
 from vlmod.routing.attention import attention_keys, check_attention_router
 from vlmod.routing.router import Router, gated_decode_step, gated_residual, selection_keys
 from vlmod.routing.selection import Selection, TokenLayout, select_tokens
@@ -62,8 +62,10 @@ class MoDPart:
     aux_losses: dict[int, Tensor] = field(default_factory=dict)
     generator: torch.Generator | None = None
     hooks: list = field(default_factory=list)
+    first_keys: Tensor | None = None  # the "fastv" router's ranking, made by this forward's first MoD layer
 
     def pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self.first_keys = None
         self.adapter.begin_forward(self, args, kwargs)
 
     def post_hook(self, module: nn.Module, args: tuple, output: Any) -> Any:
@@ -188,13 +190,18 @@ class LayerRouting:
     def keys(self, x: Tensor, scores: Tensor, layout: TokenLayout, args: tuple, kwargs: dict) -> Tensor:
         """What top-k ranks at this layer under the part's current router kind."""
         part, kind = self.part, self.part.config.router
-        if kind == "attention":
+        if kind in ATTENTION_ROUTERS:
             if layout.threshold:
                 # A decode token receives attention from no later token yet: it always runs.
                 return torch.ones_like(scores)
             if self.every_routable_runs(layout):
                 return scores  # nothing to rank
-            return attention_keys(part.adapter, part.blocks[self.layer_idx], x, layout, args, kwargs)
+            if kind == "fastv" and part.first_keys is not None:
+                return part.first_keys  # FastV: ranked once, so what an earlier layer dropped stays dropped
+            keys = attention_keys(part.adapter, part.blocks[self.layer_idx], x, layout, args, kwargs)
+            if kind == "fastv":
+                part.first_keys = keys
+            return keys
         generator = part.random_generator(self.layer_idx, x.device) if kind == "random" else None
         return selection_keys(kind, scores, layout, self.capacity, generator)
 

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from vlmod.config import ATTENTION_ROUTERS
 from vlmod.routing.selection import TokenLayout
 
 
@@ -168,7 +169,7 @@ def selection_keys(
         k = layout.budget(capacity).k
         k = k.unsqueeze(1) if isinstance(k, Tensor) else k
         return -((j * k) % n).to(scores.dtype)
-    if kind == "attention":
+    if kind in ATTENTION_ROUTERS:
         raise ValueError(
             "the attention router needs the layer's attention projections: its keys come from "
             "vlmod.routing.attention.attention_keys (LayerRouting.keys), not from router scores"
