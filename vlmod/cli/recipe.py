@@ -299,7 +299,7 @@ def run_recipe_command(args: argparse.Namespace) -> int:
     if args.routers is not None:
         bad = [r for r in args.routers if r not in ROUTERS or r in ("learned", "inverted")]
         if bad:
-            raise InputError(f"--routers: unknown baseline(s) {bad}; choose from random, stride, attention")
+            raise InputError(f"--routers: unknown baseline(s) {bad}; choose from random, stride, attention, fastv")
         overrides["routers"] = tuple(args.routers)
     if args.threads is not None:
         overrides["threads"] = args.threads

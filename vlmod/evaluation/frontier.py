@@ -36,6 +36,7 @@ METHOD_LABELS = {
     "dense-control": "dense, fine-tuned again as the MoD stage (control)",
     "stacked": "MoD learned on pre-LLM reduction, stacked",
     "stacked-attention": "MoD attention-routed on pre-LLM reduction, stacked",
+    "fastv": "dense weights, FastV's rule (training-free: ranked once, dropped for good)",
 }
 # Ours by the router the MoD stages train with (`vlmod recipe --mod-router`): MoD alone, stacked.
 OURS_BY_ROUTER = {"learned": ("learned", "stacked"), "attention": ("mod-attention", "stacked-attention")}
@@ -280,12 +281,13 @@ def plot_frontier(rows: Sequence[Mapping[str, Any]], path: str | Path, title: st
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), dpi=120, sharey=True)
     dense = next(r for r in rows if r["method"] == "dense")
-    markers = dict(zip(METHOD_LABELS, "*oos^vDdpP8HXh<>>", strict=True))
+    markers = dict(zip(METHOD_LABELS, "*oos^vDdpP8HXh<>>x", strict=True))
     # One colour a method (matplotlib's cycle has ten, and two curves sharing one read as one);
     # grey and black stay with dense, its control and the dense - 1 line.
     colours = dict(zip(METHOD_LABELS, ["black", "tab:blue", "royalblue", "tab:orange", "tab:green", "tab:red",
                                        "tab:purple", "tab:brown", "tab:pink", "tab:olive", "crimson", "teal",
-                                       "tab:cyan", "navy", "gray", "darkgoldenrod", "goldenrod"], strict=True))
+                                       "tab:cyan", "navy", "gray", "darkgoldenrod", "goldenrod", "magenta"],
+                       strict=True))
     for ax, axis, xlabel in ((axes[0], "language", "language-model prefill GFLOPs per sample"),
                              (axes[1], "total", "total prefill GFLOPs per sample (tower + projector + LM)")):
         for method in METHOD_LABELS:

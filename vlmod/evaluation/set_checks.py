@@ -56,7 +56,7 @@ TRAINING_FREE_LOSS = 3.0
 # The training-free methods a user could run instead (`vlmod.recipes.methods`): FastV-like
 # attention routing on the dense weights, each ranking of pre-LLM reduction (VisionZip-like), token
 # merging (ToMe-like), 2 x 2 pooling (images), frames.
-TRAINING_FREE = ("attention", "reduce", "reduce-mean", "reduce-deviation", "reduce-novelty", "merge", "pool", "frames")
+TRAINING_FREE = ("attention", "fastv", "reduce", "reduce-mean", "reduce-deviation", "reduce-novelty", "merge", "pool", "frames")
 
 
 def _qa(path: Path) -> list[tuple[str, str, str]]:

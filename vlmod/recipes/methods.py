@@ -1,8 +1,9 @@
 """Stage 7 of a synthetic recipe: every method at every compute point (`vlmod.recipes.recipe`).
 
 At each point (`vlmod.recipes.points`): the fine-tuned MoD model, the random and stride routers
-on its weights, the training-free attention router on the dense weights, pre-LLM reduction of
-the dense model (each ranking, with VisionZip's contextual tokens), MoD stacked on pre-LLM
+on its weights, the training-free attention router (and, with "fastv" in `routers`, FastV's rule)
+on the dense weights, pre-LLM reduction of the dense model (each ranking, with VisionZip's
+contextual tokens), MoD stacked on pre-LLM
 reduction (the MoD model behind a `PreLLMReduction`, its capacity a share of the kept tokens),
 2 x 2 pooling of the dense model's tokens (pictures), frame subsampling (video); at the main point
 also the MoD model with its vision tower routed. A method that cannot reach a point gets an
@@ -17,8 +18,8 @@ from typing import Any
 
 import torch
 
-from vlmod.api import apply_mod, set_capacity, set_router
-from vlmod.config import MoDConfig
+from vlmod.api import apply_mod, set_capacity, set_router, use_router
+from vlmod.config import ATTENTION_ROUTERS, MoDConfig
 from vlmod.evaluation import frontier, knobs
 from vlmod.io.hf import load_pretrained
 from vlmod.recipes.points import POOL, ours, reachable, reduction_methods
@@ -80,7 +81,7 @@ class PointEvaluations:
         alone = ours(s.mod_router)[0]
         for p in result.points:
             t = p["target"]
-            with_router = [(alone, None)] + [(r, r) for r in s.routers if r != "attention"]
+            with_router = [(alone, None)] + [(r, r) for r in s.routers if r not in ATTENTION_ROUTERS]
             for method, router in with_router:
                 if self.skip(method, p):
                     continue
@@ -107,6 +108,13 @@ class PointEvaluations:
                     attention_model, n, baseline=True))
                 self.add_row("attention", t, f"capacity {p['attention_capacity']:.3f}", report,
                              extra_language_flops=len(result.layers) * self.scoring)
+            if "fastv" in s.routers and not self.skip("fastv", p):
+                set_capacity(attention_model, p["fastv_capacity"])
+                with use_router(attention_model, "fastv"):  # ranked once a forward: its scoring once
+                    report = stages.run("eval fastv", lambda n=f"fastv /{t:g}": self.evaluated(
+                        attention_model, n, baseline=True))
+                self.add_row("fastv", t, f"capacity {p['fastv_capacity']:.3f}", report,
+                             extra_language_flops=self.scoring)
             self.evaluate_reduction(p)
             if s.stacked:
                 self.evaluate_stacked(p)

@@ -49,17 +49,21 @@ def ours(mod_router: str) -> tuple[str, str]:
 
 def ceilings(dims: DecoderDims, counts: TokenCounts, layers: Sequence[int], schedule: str | None,
              scoring: float, video: bool, stacked: bool, others: TokenCounts | None = None,
-             mod_router: str = "learned", pooled: bool = False, stack_pool: int = 1) -> dict[str, float]:
+             mod_router: str = "learned", pooled: bool = False, stack_pool: int = 1,
+             fastv: bool = False) -> dict[str, float]:
     """Each method's largest LM prefill FLOPs reduction (`scoring`: the attention router's FLOPs
     per MoD layer): MoD's and the stack's on `counts`, the other methods' on `others` (the prompts
     they answer). The random and stride routers on the MoD weights reach as far as a learned router.
-    `pooled`: the pooled baseline runs; `stack_pool` > 1: the stack keeps every pooled window."""
+    `pooled`: the pooled baseline runs; `stack_pool` > 1: the stack keeps every pooled window;
+    `fastv`: FastV's rule runs (its scoring once a forward, not once a layer)."""
     others = others or counts
     mod = knobs.max_reduction(dims, counts, "mod", layers, schedule)
     attention = mod_router == "attention"
     alone, stack = ours(mod_router)
     out = {"random": mod, "stride": mod,
            "attention": knobs.max_reduction(dims, others, "mod", layers, schedule, scoring)}
+    if fastv:
+        out["fastv"] = knobs.max_reduction(dims, others, "mod", layers, schedule, scoring / len(layers))
     out[alone] = knobs.max_reduction(dims, counts, "mod", layers, schedule, scoring if attention else 0.0)
     out.update(dict.fromkeys([*reduction_methods(video).values(), "merge"], knobs.max_reduction(dims, others, "reduce")))
     if pooled:  # pooled, then ranked: as far as the reduction's one kept token
@@ -85,8 +89,9 @@ def solve_points(dims: DecoderDims, counts: TokenCounts, s: Any, layers: Sequenc
     video, attention = s.task == "video", s.mod_router == "attention"
     alone, stack = ours(s.mod_router)
     pooled = pooled_baseline(s)
+    fastv = "fastv" in s.routers
     reach = ceilings(dims, counts, layers, s.schedule, scoring, video, s.stacked, others, s.mod_router, pooled,
-                     s.stack_pool)
+                     s.stack_pool, fastv)
     mod_counts, counts = counts, others or counts
     mod_dense, dense = language_prefill_flops(dims, mod_counts.total), language_prefill_flops(dims, counts.total)
     points = []
@@ -105,6 +110,12 @@ def solve_points(dims: DecoderDims, counts: TokenCounts, s: Any, layers: Sequenc
             p["attention_capacity"] = knobs.solve_capacity(dims, counts, t, layers, s.schedule, scoring)
             p["predicted"]["attention"] = dense / knobs.mod_language_flops(
                 dims, counts, p["attention_capacity"], layers, s.schedule, scoring)
+        if fastv:  # its scoring once, at the first MoD layer: a layer's share of it at each
+            p["fastv_capacity"] = knobs.solve_capacity(dims, counts, t, layers, s.schedule,
+                                                       scoring / len(layers)) if ok["fastv"] else None
+            if ok["fastv"]:
+                p["predicted"]["fastv"] = dense / knobs.mod_language_flops(
+                    dims, counts, p["fastv_capacity"], layers, s.schedule, scoring / len(layers))
         if ok["reduce"]:
             p["keep"] = knobs.solve_keep(dims, counts, t)
             p["predicted"]["reduce"] = dense / knobs.reduce_language_flops(dims, counts, p["keep"])
@@ -173,6 +184,8 @@ def describe_points(points: Sequence[dict[str, Any]]) -> list[str]:
                  f"reduction keeps {knob(p['keep'])}"]
         if p.get("mod_capacity", p["capacity"]) != p["capacity"]:  # ours attention-routed (`mod_router`): its own capacity
             parts.insert(1, f"ours (attention-routed MoD) {knob(p.get('mod_capacity'))}")
+        if "fastv_capacity" in p:
+            parts.insert(2, f"FastV's rule {knob(p['fastv_capacity'])}")
         if p.get("pool_keep") is not None:
             parts.append(f"pooled keeps {knob(p['pool_keep'])}")
         if p.get("stack_keep") is not None:
