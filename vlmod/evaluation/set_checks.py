@@ -54,8 +54,9 @@ AT = 3.0  # the LM prefill FLOPs reduction the discrimination check reads
 RANDOM_LOSS = 10.0
 TRAINING_FREE_LOSS = 3.0
 # The training-free methods a user could run instead (`vlmod.recipes.methods`): FastV-like
-# attention routing on the dense weights, each ranking of pre-LLM reduction (VisionZip-like), token
-# merging (ToMe-like), 2 x 2 pooling (images), frames.
+# attention routing on the dense weights (ranked at every layer; FastV's rule, ranked once, where
+# `routers` asks for it), each ranking of pre-LLM reduction (VisionZip-like), token merging
+# (ToMe-like), 2 x 2 pooling (images), frames.
 TRAINING_FREE = ("attention", "fastv", "reduce", "reduce-mean", "reduce-deviation", "reduce-novelty", "merge", "pool", "frames")
 
 
