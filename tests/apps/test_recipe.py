@@ -499,6 +499,18 @@ def test_seeds_at_once_with_jobs_train_what_one_seed_at_a_time_does(image_run: t
     assert json.loads((out / "results.json").read_text())["seeds"] == [0, 1]
 
 
+def test_seed_threads_default_to_the_cores_over_the_jobs(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vlmod.recipes.seed_runs import seed_threads
+
+    monkeypatch.setattr("vlmod.recipes.seed_runs.available_cores", lambda: 16)
+    video = RecipeSettings.for_task("video")  # threads: torch's own
+    assert seed_threads(video, 1) is None and seed_threads(video, 3) == 5 and seed_threads(video, 16) == 1
+    assert seed_threads(dataclasses.replace(video, threads=4), 4) == 4
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(InputError, match="--jobs takes the number of seeds to run at once, 1 or more"):
+            seed_threads(video, bad)
+
+
 def test_jobs_is_refused_without_seeds_or_past_the_cores(tmp_path: Path, capsys: pytest.CaptureFixture,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     from vlmod.cli import main
