@@ -66,6 +66,21 @@ def test_the_attention_router_reads_nothing_the_learned_router_does_not():
     assert attention.mod_decode.ops == learned.mod_decode.ops and attention.mod_decode.syncs == 0
 
 
+def test_fastv_scores_in_the_first_routed_layer_only():
+    """FastV's rule ranks once a forward: the attention router's scoring in the first routed layer
+    of a prefill, the others reusing its keys (the learned router's ops there), no host read the
+    learned router does not make, and a decode step the learned router's."""
+    learned, attention, fastv = (host_cost("llava", router=r) for r in ("learned", "attention", "fastv"))
+    assert fastv.routed_layers == 2 and fastv.mod_prefill.syncs == learned.mod_prefill.syncs, fastv.mod_prefill.by_sync
+    assert learned.mod_prefill.ops < fastv.mod_prefill.ops < attention.mod_prefill.ops
+    # A third routed layer adds what it adds under the learned router: no scoring of its own.
+    learned3, fastv3 = (host_cost("llava", layers="all", router=r) for r in ("learned", "fastv"))
+    assert fastv3.routed_layers == 3
+    assert fastv3.mod_prefill.ops - fastv.mod_prefill.ops == learned3.mod_prefill.ops - learned.mod_prefill.ops, (
+        fastv3.mod_prefill.by_op, learned3.mod_prefill.by_op)
+    assert fastv.mod_decode.ops == learned.mod_decode.ops and fastv.mod_decode.syncs == 0
+
+
 class _AttentionCalls:
     """Every sdpa attention call of transformers' models: (query length, key length, attn_mask,
     is_causal as sdpa gets it: no mask and more than one query)."""

@@ -26,9 +26,10 @@ def add_bench_ops_parser(subparsers: SubParsers) -> argparse.ArgumentParser:
     p.add_argument("--capacity", type=capacity, default=0.5, help="capacity of the MoD layers (default: 0.5)")
     p.add_argument("--layers", type=layers, default="every_other",
                    help="every_other | all | comma list of MoD layers (default: every_other)")
-    p.add_argument("--router", choices=("learned", "attention"), default="learned",
-                   help="how the MoD layers select: the learned router, or the attention router (its scoring, the "
-                   "queries' and keys' projections, runs in each routed layer of a prefill) (default: learned)")
+    p.add_argument("--router", choices=("learned", "attention", "fastv"), default="learned",
+                   help="how the MoD layers select: the learned router, the attention router (its scoring, the "
+                   "queries' and keys' projections, runs in each routed layer of a prefill) or FastV's rule (that "
+                   "scoring in the first routed layer only) (default: learned)")
     p.add_argument("--graph-breaks", action="store_true",
                    help="also count a prefill's graph breaks (dynamo traces each model: about a minute a family) "
                    "(default: off)")

@@ -47,6 +47,12 @@ def ours(mod_router: str) -> tuple[str, str]:
     return frontier.OURS_BY_ROUTER[mod_router]
 
 
+def fastv_scoring(scoring: float, layers: Sequence[int]) -> float:
+    """FastV's rule's scoring FLOPs as a share per MoD layer: it scores once a forward, at the first
+    MoD layer, where the attention router scores `scoring` at each."""
+    return scoring / len(layers)
+
+
 def ceilings(dims: DecoderDims, counts: TokenCounts, layers: Sequence[int], schedule: str | None,
              scoring: float, video: bool, stacked: bool, others: TokenCounts | None = None,
              mod_router: str = "learned", pooled: bool = False, stack_pool: int = 1,
@@ -63,7 +69,7 @@ def ceilings(dims: DecoderDims, counts: TokenCounts, layers: Sequence[int], sche
     out = {"random": mod, "stride": mod,
            "attention": knobs.max_reduction(dims, others, "mod", layers, schedule, scoring)}
     if fastv:
-        out["fastv"] = knobs.max_reduction(dims, others, "mod", layers, schedule, scoring / len(layers))
+        out["fastv"] = knobs.max_reduction(dims, others, "mod", layers, schedule, fastv_scoring(scoring, layers))
     out[alone] = knobs.max_reduction(dims, counts, "mod", layers, schedule, scoring if attention else 0.0)
     out.update(dict.fromkeys([*reduction_methods(video).values(), "merge"], knobs.max_reduction(dims, others, "reduce")))
     if pooled:  # pooled, then ranked: as far as the reduction's one kept token
@@ -110,12 +116,12 @@ def solve_points(dims: DecoderDims, counts: TokenCounts, s: Any, layers: Sequenc
             p["attention_capacity"] = knobs.solve_capacity(dims, counts, t, layers, s.schedule, scoring)
             p["predicted"]["attention"] = dense / knobs.mod_language_flops(
                 dims, counts, p["attention_capacity"], layers, s.schedule, scoring)
-        if fastv:  # its scoring once, at the first MoD layer: a layer's share of it at each
-            p["fastv_capacity"] = knobs.solve_capacity(dims, counts, t, layers, s.schedule,
-                                                       scoring / len(layers)) if ok["fastv"] else None
+        if fastv:
+            once = fastv_scoring(scoring, layers)
+            p["fastv_capacity"] = knobs.solve_capacity(dims, counts, t, layers, s.schedule, once) if ok["fastv"] else None
             if ok["fastv"]:
                 p["predicted"]["fastv"] = dense / knobs.mod_language_flops(
-                    dims, counts, p["fastv_capacity"], layers, s.schedule, scoring / len(layers))
+                    dims, counts, p["fastv_capacity"], layers, s.schedule, once)
         if ok["reduce"]:
             p["keep"] = knobs.solve_keep(dims, counts, t)
             p["predicted"]["reduce"] = dense / knobs.reduce_language_flops(dims, counts, p["keep"])
@@ -199,5 +205,5 @@ def describe_points(points: Sequence[dict[str, Any]]) -> list[str]:
     return lines
 
 
-__all__ = ["POOL", "REDUCTION_METHODS", "ceilings", "describe_points", "ours", "pooled_baseline", "reachable",
+__all__ = ["POOL", "REDUCTION_METHODS", "ceilings", "describe_points", "fastv_scoring", "ours", "pooled_baseline", "reachable",
            "reduction_methods", "solve_points", "stack_training_points"]
