@@ -256,6 +256,37 @@ def test_generate_rejects_bad_settings(tmp_path):
         syn.generate(tmp_path, 1, 1, distractors=5)
 
 
+def test_faint_pictures_are_the_solid_ones_at_a_low_contrast(tmp_path):
+    """`faint` draws that share of the pictures at a contrast in the video set's faint range, from a
+    stream of its own: every other picture keeps the solid set's bytes, a faint one its scene."""
+    syn.generate(tmp_path / "solid", 40, 8, distractors=2)
+    syn.generate(tmp_path / "faint", 40, 8, distractors=2, faint=0.5)
+    faint_count = 0
+    for split in ("train", "val"):
+        for solid, faint in zip(_records(tmp_path / "solid", split), _records(tmp_path / "faint", split), strict=True):
+            assert solid["conversations"] == faint["conversations"]
+            contrasts = {o.get("contrast", 1.0) for o in faint["meta"]["objects"]}
+            assert len(contrasts) == 1  # one contrast a picture
+            k = contrasts.pop()
+            assert [{**o, "contrast": k} for o in solid["meta"]["objects"]] == [{**o, "contrast": k} for o in faint["meta"]["objects"]]
+            a, b = (np.asarray(Image.open(tmp_path / d / r["image"]).convert("RGB"), dtype=float)
+                    for d, r in (("solid", solid), ("faint", faint)))
+            if k == 1.0:
+                assert (a == b).all()
+                continue
+            faint_count += 1
+            assert FAINT_CONTRAST[0] <= k <= FAINT_CONTRAST[1]
+            for o in faint["meta"]["objects"]:  # the shape's centre lies nearer the background than its colour
+                x, y = (int(round(v)) for v in o["center"])
+                color = np.asarray(syn.COLORS[o["color"]], dtype=float)
+                assert np.abs(b[y, x] - color).sum() > np.abs(a[y, x] - color).sum() + 60
+    assert 12 <= faint_count <= 36, faint_count
+    assert json.loads((tmp_path / "faint" / "meta.json").read_text())["faint"] == 0.5
+    assert "faint" not in json.loads((tmp_path / "solid" / "meta.json").read_text())
+    with pytest.raises(ValueError, match="faint is the share of pictures drawn faint, 0 to 1, got 1.5"):
+        syn.generate(tmp_path / "refused", 1, 1, faint=1.5)
+
+
 def test_single_shape_scenes(tmp_path):
     syn.generate(tmp_path, 24, 0, distractors=0)
     for r in _records(tmp_path):

@@ -380,15 +380,17 @@ def test_faint_pictures_are_the_same_pictures_with_their_glyphs_and_markers_fain
         generate_detail(tmp_path / "refused", 6, 3, faint=1.5)
 
 
-def test_the_recipe_takes_faint_for_the_detail_task_only(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_the_recipe_takes_faint_for_the_picture_tasks(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     from vlmod.cli import main
     from vlmod.recipes.settings import RecipeSettings
 
     assert RecipeSettings.for_task("detail", faint=0.3).faint == 0.3
     with pytest.raises(InputError, match="--faint is the share of pictures drawn faint, 0 to 1, got 1.5"):
         RecipeSettings.for_task("detail", faint=1.5)
-    with pytest.raises(InputError, match="give them with --task detail, not --task image"):
-        RecipeSettings.for_task("image", faint=0.2)
+    # The image recipe draws a fifth of its pictures faint; its isoFLOP check keeps the solid set it reports.
+    assert RecipeSettings.for_task("image").faint == 0.2 and RecipeSettings.for_task("image", isoflop=True).faint == 0.0
+    with pytest.raises(InputError, match="the video task's clips draw their own faint fifth: leave it out"):
+        RecipeSettings.for_task("video", faint=0.2)
     assert main(["recipe", "--task", "detail", "--quick", "--faint", "2", "--out", str(tmp_path / "run")]) == 2
     assert "expected a number in [0, 1], got 2" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()

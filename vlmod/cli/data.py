@@ -6,10 +6,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from vlmod.cli.argtypes import non_negative_int
+from vlmod.cli.argtypes import non_negative_int, share
 from vlmod.cli.common import SubParsers
 from vlmod.data.scenes import IMAGE_QUESTION_TYPES, MAX_DISTRACTORS, MIN_IMAGE_SIZE
-from vlmod.data.synthetic import generate
+from vlmod.data.synthetic import FAINT_CONTRAST, generate
 from vlmod.io.paths import check_new_dir
 from vlmod.recipes.settings import RecipeSettings
 
@@ -55,6 +55,10 @@ def add_make_data_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
         help=f"at most this many extra shapes in colour/shape/position images, 0..{MAX_DISTRACTORS} "
         f"(default: {image.distractors}, the image recipe's: one shape per image; 2 makes a harder set)",
     )
+    parser.add_argument("--faint", type=share, default=image.faint,
+                        help=f"the share of the pictures whose shapes are drawn faint, at a contrast uniform in "
+                             f"{FAINT_CONTRAST[0]:g}-{FAINT_CONTRAST[1]:g} (default: {image.faint:g}, the image "
+                             "recipe's; the clips draw their own fifth)")
     parser.add_argument("--video", action="store_true", help="also write the video set (video_train/val.json)")
     parser.add_argument("--videos", type=non_negative_int, default=video.num_train,
                         help=f"train videos (default: {video.num_train}, the video recipe's)")
@@ -97,6 +101,7 @@ def run_make_data(args: argparse.Namespace) -> int:
             num_frames=args.frames,
             distractors=args.distractors,
             captions=args.captions,
+            faint=args.faint,
             question_types=[t.strip() for t in args.types.split(",") if t.strip()],
             progress=not args.no_progress,
         )

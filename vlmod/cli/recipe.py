@@ -12,6 +12,7 @@ from typing import Any
 from vlmod.cli.argtypes import finite_float, int_at_least, non_negative_float, positive_int, share, threads
 from vlmod.cli.common import EXIT_INTERRUPTED, SubParsers
 from vlmod.data.detail import DETAIL_TYPES, FAINT_CONTRAST, LAYOUTS
+from vlmod.data.synthetic import FAINT_CONTRAST as SHAPES_FAINT
 from vlmod.errors import InputError
 from vlmod.recipes.settings import (
     DEFAULT_STACK_SHARE,
@@ -71,8 +72,9 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
                                  "quarter of that a frame)"),
     ("patch_size", positive_int, "vision tower patch side in pixels"),
     ("glyph_scale", positive_int, "detail task: glyphs and markers drawn over N x N patches (N times the size)"),
-    ("faint", share, "detail task: the share of pictures whose glyphs and markers are drawn faint (contrast "
-                     f"uniform in {FAINT_CONTRAST[0]:g}-{FAINT_CONTRAST[1]:g})"),
+    ("faint", share, "image and detail tasks: the share of pictures drawn faint (every shape at a contrast uniform "
+                     f"in {SHAPES_FAINT[0]:g}-{SHAPES_FAINT[1]:g}, every glyph and marker in "
+                     f"{FAINT_CONTRAST[0]:g}-{FAINT_CONTRAST[1]:g})"),
     ("schedule", str, "per-layer capacity schedule: none or cosine"),
     ("seed", int, "seed of data, init, training and evaluation"),
 )

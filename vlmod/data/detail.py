@@ -44,7 +44,16 @@ from typing import Any
 
 import numpy as np
 
-from vlmod.data.scenes import COLORS, COUNTS, SHAPES, background, composite, shape_alpha, to_uint8
+from vlmod.data.scenes import (
+    COLORS,
+    COUNTS,
+    SHAPES,
+    background,
+    composite,
+    faint_contrast,
+    shape_alpha,
+    to_uint8,
+)
 from vlmod.errors import InputError
 
 DIGITS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
@@ -332,11 +341,6 @@ def caption(meta: dict[str, Any]) -> str:
     return " , ".join(words for box, words in sorted(items, key=lambda it: (it[0][1] // size, it[0][0] // size)))
 
 
-def _contrast(rng: np.random.Generator, faint: float) -> float:
-    """A picture's contrast: with probability `faint` uniform in FAINT_CONTRAST, else 1 (solid)."""
-    return round(float(rng.uniform(*FAINT_CONTRAST)), 3) if faint and rng.random() < faint else 1.0
-
-
 def generate_detail(out_dir: str | Path, num_train: int, num_val: int, image_size: int = DEFAULT_IMAGE_SIZE,
                     patch_size: int = DEFAULT_PATCH_SIZE, seed: int = 0,
                     question_types: Sequence[str] = DETAIL_TYPES, curriculum: bool = True, captions: bool = False,
@@ -386,7 +390,7 @@ def generate_detail(out_dir: str | Path, num_train: int, num_val: int, image_siz
             folder.mkdir(parents=True, exist_ok=True)
             records, names = [], set()
             for i, (qtype, answer) in enumerate(plan):
-                contrast = _contrast(np.random.default_rng([seed, code, 3, i]), faint)
+                contrast = faint_contrast(np.random.default_rng([seed, code, 3, i]), faint, FAINT_CONTRAST)
                 offset = ((np.random.default_rng([seed, code, 4, i]).integers(0, scale, size=2) * patch_size)
                           if unaligned else (0, 0))
                 img, question, meta = detail_sample(np.random.default_rng([seed, code, 2, i]), qtype, answer,

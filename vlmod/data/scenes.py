@@ -131,6 +131,12 @@ def paint(img: np.ndarray, obj: dict[str, Any]) -> None:
               obj["color"])
 
 
+def faint_contrast(rng: np.random.Generator, share: float, bounds: tuple[float, float]) -> float:
+    """A picture's (clip's) contrast: with probability `share` uniform in `bounds` (faint), else 1
+    (solid); no draw at all when `share` is 0, so a set without faint pictures keeps its bytes."""
+    return round(float(rng.uniform(*bounds)), 3) if share and rng.random() < share else 1.0
+
+
 def to_uint8(img: np.ndarray) -> np.ndarray:
     return np.clip(np.rint(img), 0, 255).astype(np.uint8)
 

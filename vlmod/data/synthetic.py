@@ -23,7 +23,10 @@ position   where is the {color} {shape} ?          top left, top, top right, lef
 
 The object a question names is unique in its image (the only circle, the only red object, the
 only red circle); the other shapes are distractors. Colour/shape/position images hold 1-3
-shapes (`distractors=2`; 0 gives one-shape scenes, an easier set), count images 1-4.
+shapes (`distractors=2`; 0 gives one-shape scenes, an easier set), count images 1-4. With
+`faint`, that share of the pictures draws every shape at a contrast uniform in the video set's
+faint range (FAINT_CONTRAST): the set gets room above, graded by what can be seen through the
+noise, as the video set's faint clips give it (each faint object's meta carries its `contrast`).
 
 Video questions (`video=True`; `num_frames` frames, an mp4 per record): direction, first
 (which shape appears first), distinct (how many different shapes), when (start / middle / end),
@@ -72,12 +75,13 @@ from vlmod.data.scenes import (
     _place,
     background,
     cell_of,
+    faint_contrast,
     paint,
     shape_alpha,
     shape_points,
     to_uint8,
 )
-from vlmod.data.synthetic_video import TEMPORAL_TYPES, VIDEO_QUESTION_TYPES, video_sample
+from vlmod.data.synthetic_video import FAINT_CONTRAST, TEMPORAL_TYPES, VIDEO_QUESTION_TYPES, video_sample
 from vlmod.errors import InputError
 
 VIDEO_FPS = 4
@@ -109,11 +113,12 @@ class SyntheticSummary:
 
 
 def image_sample(
-    rng: np.random.Generator, qtype: str, answer: str, size: int, distractors: int = 2
+    rng: np.random.Generator, qtype: str, answer: str, size: int, distractors: int = 2, contrast: float = 1.0
 ) -> tuple[np.ndarray, str, dict]:
     """(image uint8 [size, size, 3], question, meta) of one image question whose answer is
     `answer`: the scene is built around the answer, so answers can be balanced exactly.
-    Colour/shape/position scenes get 0..`distractors` shapes besides the one asked about."""
+    Colour/shape/position scenes get 0..`distractors` shapes besides the one asked about;
+    `contrast`: every shape's (1: solid; below, faint, each object's meta records it)."""
     if qtype not in IMAGE_QUESTION_TYPES:
         raise ValueError(f"unknown image question type {qtype!r}; types: {', '.join(IMAGE_QUESTION_TYPES)}")
     if answer not in ANSWERS[qtype]:
@@ -149,7 +154,8 @@ def image_sample(
     objects = []
     for (color, shape), cell in zip(pairs, cells, strict=True):
         center, radius = _place(rng, cell, size)
-        obj = {"shape": shape, "color": color, "cell": cell, "center": center, "radius": radius}
+        obj = {"shape": shape, "color": color, "cell": cell, "center": center, "radius": radius,
+               **({"contrast": contrast} if contrast != 1.0 else {})}
         paint(img, obj)
         objects.append(obj)
     meta = {"type": qtype, "objects": objects}
@@ -228,6 +234,7 @@ def _split_records(
     num_frames: int,
     distractors: int,
     bar: Any,
+    faint: float = 0.0,
 ) -> list[dict[str, Any]]:
     plan_rng = np.random.default_rng([seed, _SPLIT_CODES[split], _KIND_CODES[kind], 2**31])
     plan = _balanced_plan(plan_rng, n, qtypes)
@@ -239,7 +246,10 @@ def _split_records(
         prefix = "" if kind == "image" else "video-"
         record: dict[str, Any] = {"id": f"{prefix}{split}-{i:06d}"}
         if kind == "image":
-            img, question, meta = image_sample(rng, qtype, answer, size, distractors)
+            # Its own stream (a picture is the same but for its contrast), as the fine-detail set's.
+            contrast = faint_contrast(np.random.default_rng([seed, _SPLIT_CODES[split], _KIND_CODES[kind], i, 3]),
+                                      faint, FAINT_CONTRAST)
+            img, question, meta = image_sample(rng, qtype, answer, size, distractors, contrast)
             name = f"{i:06d}.png"
             _write_png(folder / name, img)
             record["image"] = f"images/{split}/{name}"
@@ -335,6 +345,7 @@ def generate(
     video_question_types: Sequence[str] = VIDEO_QUESTION_TYPES,
     distractors: int = 2,
     captions: bool = False,
+    faint: float = 0.0,
     progress: bool = False,
 ) -> SyntheticSummary:
     """Write the synthetic set to `out_dir` (see the module doc) and say what was written.
@@ -344,8 +355,10 @@ def generate(
     usable by image-only LLaVA models. `distractors` (0..4) caps the extra shapes of colour,
     shape and position scenes: 0 makes single-shape scenes, an easier set. `captions`: each
     training split also gets a caption record per sample (`caption`; validation stays
-    questions). With `video`, an image split of 0 samples is not written. Same arguments, same
-    bytes."""
+    questions). `faint`: the share of the pictures (of each image split) whose shapes are drawn at
+    a contrast uniform in FAINT_CONTRAST, the video set's faint clips' range (the clips draw their
+    own fifth: `synthetic_video.FAINT_SHARE`). With `video`, an image split of 0 samples is not
+    written. Same arguments, same bytes."""
     for name, value in (("num_train", num_train), ("num_val", num_val)):
         if value < 0:
             raise ValueError(f"{name} must be >= 0, got {value}")
@@ -353,6 +366,8 @@ def generate(
         raise ValueError(f"image_size must be >= {MIN_IMAGE_SIZE} px (a {GRID}x{GRID} grid of shapes), got {image_size}")
     if not 0 <= distractors <= MAX_DISTRACTORS:
         raise ValueError(f"distractors must be in [0, {MAX_DISTRACTORS}], got {distractors}")
+    if not 0.0 <= faint <= 1.0:
+        raise ValueError(f"faint is the share of pictures drawn faint, 0 to 1, got {faint}")
     qtypes = check_types(question_types, IMAGE_QUESTION_TYPES, "image")
     vtypes = check_types(video_question_types, VIDEO_QUESTION_TYPES, "video", flag="video_question_types")
     if video:
@@ -380,7 +395,8 @@ def generate(
     total = sum(j[2] for j in jobs)
     with tqdm(total=total, desc="synthetic", unit="sample", disable=not progress) as bar:
         for kind, split, n, types, size in jobs:
-            records = _split_records(out, kind, split, n, types, size, seed, num_frames, distractors, bar)
+            records = _split_records(out, kind, split, n, types, size, seed, num_frames, distractors, bar,
+                                     faint if kind == "image" else 0.0)
             name = split if kind == "image" else f"video_{split}"
             path = out / f"{name}.json"
             summary.answer_counts[name] = _answer_counts(records, types)
@@ -397,6 +413,7 @@ def generate(
         "grid": GRID,
         "distractors": distractors,
         "captions": captions,
+        **({"faint": faint, "faint_contrast": list(FAINT_CONTRAST)} if faint else {}),
         "num_frames": num_frames if video else None,
         "video_fps": VIDEO_FPS if video else None,
         "question_types": list(qtypes),
@@ -411,7 +428,7 @@ def generate(
 
 
 __all__ = [
-    "ANSWERS", "COLORS", "IMAGE_QUESTION_TYPES", "QUESTIONS", "SHAPES", "TEMPORAL_TYPES", "VIDEO_FPS",
+    "ANSWERS", "COLORS", "FAINT_CONTRAST", "IMAGE_QUESTION_TYPES", "QUESTIONS", "SHAPES", "TEMPORAL_TYPES", "VIDEO_FPS",
     "VIDEO_QUESTION_TYPES", "SyntheticSummary", "background", "caption", "cell_of", "generate",
     "image_sample", "paint", "shape_alpha", "shape_points", "video_sample",
 ]

@@ -62,6 +62,7 @@ from vlmod.data.scenes import (
     _place,
     _radius,
     background,
+    faint_contrast,
     paint,
     to_uint8,
 )
@@ -123,7 +124,7 @@ def video_sample(
     bg = background(rng, size)
     frames = [bg + rng.normal(0.0, 4.0, size=bg.shape).astype(np.float32) for _ in range(num_frames)]
     everything = (0, num_frames)
-    k = round(float(rng.uniform(*FAINT_CONTRAST)), 3) if rng.random() < FAINT_SHARE else 1.0  # every object's contrast
+    k = faint_contrast(rng, FAINT_SHARE, FAINT_CONTRAST)  # every object's contrast
     if qtype == "direction":
         (color, shape), (color2, shape2) = _named_and_distractor(rng)
         r = _radius(rng, c)

@@ -197,7 +197,7 @@ class _Recipe(PointEvaluations):
                             progress=self.progress)
         else:
             generate(self.data, s.num_train, s.num_val, image_size=s.image_size, distractors=s.distractors, seed=s.seed,
-                     captions=s.captions, progress=self.progress)
+                     captions=s.captions, faint=s.faint, progress=self.progress)
 
     def build(self, family: str) -> tuple[Any, Any]:
         s = self.s
