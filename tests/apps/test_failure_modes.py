@@ -402,6 +402,7 @@ def test_devices_torch_knows_but_vlmod_does_not_run_on_are_refused_in_the_flag(w
 def test_threads_above_the_cores_are_refused_by_every_command(tmp_path, capsys, monkeypatch):
     """Before: `--threads 512` on a 2-core machine was accepted (every thread past the cores only
     contends for them). Now each command that takes --threads refuses more than the cores."""
+    import vlmod.bench.timing
     import vlmod.cli.argtypes
     import vlmod.cli.bench
     import vlmod.cli.bench_train
@@ -413,7 +414,7 @@ def test_threads_above_the_cores_are_refused_by_every_command(tmp_path, capsys, 
                          (vlmod.cli.bench, "bench_video"), (vlmod.cli.bench_train, "bench_train"),
                          (vlmod.recipes.recipe, "generate")):
         monkeypatch.setattr(module, name, lambda *a, **k: pytest.fail("the command ran"))
-    monkeypatch.setattr(vlmod.cli.argtypes, "cores", lambda: 2)
+    monkeypatch.setattr(vlmod.bench.timing, "available_cores", lambda: 2)
     for argv in (["recipe", "--quick"], ["bench", "vit"], ["bench", "llava"], ["bench", "video"], ["bench", "train"]):
         assert cli_main([*argv, "--threads", "512"]) == 2, argv
         assert _error_line(capsys) == (f"error: argument --threads: expected at most 2 (this machine's cores), got "

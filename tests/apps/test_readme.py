@@ -129,10 +129,8 @@ def _hidden_aliases(parser: argparse.ArgumentParser, argv: list[str]) -> set[str
 
 @pytest.mark.parametrize(("where", "text", "argv"), BASH, ids=[f"{b[0]}:{' '.join(b[2][:2])}" for b in BASH])
 def test_bash_commands_use_flags_that_exist(where, text, argv, monkeypatch):
-    from vlmod.cli import argtypes
-
     # Whether the flags exist, not whether this machine has a command's `--threads 2` (a one-core runner).
-    monkeypatch.setattr(argtypes, "cores", lambda: 64)
+    monkeypatch.setattr("vlmod.bench.timing.available_cores", lambda: 64)
     parser = build_parser()
     try:
         parser.parse_args(argv)

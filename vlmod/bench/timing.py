@@ -61,10 +61,10 @@ def _busy_seconds() -> float | None:
 
 
 def available_cores() -> int:
-    """Cores this process may run on."""
+    """The CPUs this process may run on (its affinity, which a container or `taskset` narrows)."""
     try:
         return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
+    except (AttributeError, OSError):  # pragma: no cover - macOS, Windows: no affinity call
         return os.cpu_count() or 1
 
 

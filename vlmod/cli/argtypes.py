@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import copy
 import math
-import os
 import re
 from collections.abc import Callable
 from typing import Any
@@ -77,20 +76,14 @@ def non_negative_float(text: str) -> float:
     return value
 
 
-def cores() -> int:
-    """The CPUs this process may run on (its affinity, which a container or `taskset` narrows)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # macOS, Windows: no affinity call
-        return os.cpu_count() or 1
-
-
 def threads(text: str) -> int:
     """torch threads, 1 to the machine's cores: more only contend for the same cores (512 on 2 cores
     ran, slower, with no word)."""
-    value = positive_int(text)
-    if value > cores():
-        raise argparse.ArgumentTypeError(f"expected at most {cores()} (this machine's cores), got {value}")
+    from vlmod.bench.timing import available_cores  # torch: only once a --threads is read
+
+    value, cores = positive_int(text), available_cores()
+    if value > cores:
+        raise argparse.ArgumentTypeError(f"expected at most {cores} (this machine's cores), got {value}")
     return value
 
 
