@@ -99,6 +99,32 @@ def test_a_run_too_small_for_a_verdict_measures_every_check_and_judges_none(tmp_
     assert "none judged" in table
 
 
+def test_dense_by_contrast_says_where_the_faint_pictures_lose_their_answers(tmp_path: Path) -> None:
+    """Before: a set with faint pictures reported dense overall and by type only, so whether its
+    errors were the faint pictures (room graded by what can be seen) or a type not learned could not
+    be read off a run. Now: dense per contrast band, from the per-question results in file order, a
+    picture's contrast its meta's (the shapes' per object, the fine-detail set's per picture)."""
+    train, val = _sets(tmp_path)
+    records = json.loads(val.read_text())
+    for i, r in enumerate(records):  # 90 questions: 10 at 0.1, 10 at 0.2 (shapes), 10 at 0.4 (a picture), 60 solid
+        if i < 20:
+            r["meta"]["objects"] = [{"shape": "circle", "contrast": 0.1 if i < 10 else 0.2}, {"shape": "star", "contrast": 0.1 if i < 10 else 0.2}]
+        elif i < 30:
+            r["meta"]["contrast"] = 0.4
+    _write(val, records)
+    correct = "0" * 8 + "1" * 2 + "0" * 3 + "1" * 7 + "1" * 10 + "1" * 59 + "0"
+    checks = set_checks([_dense(79 / 90, {"color": 0.9}, correct)], train, val)
+    assert checks["dense_by_contrast"] == {
+        "0-0.15": {"accuracy": 20.0, "questions": 10}, "0.15-0.3": {"accuracy": 70.0, "questions": 10},
+        "0.3-0.5": {"accuracy": 100.0, "questions": 10}, "solid": {"accuracy": 100 * 59 / 60, "questions": 60}}
+    assert ("Dense by the pictures' contrast (faint ones drawn at under 1): 0-0.15 20.0% (10), 0.15-0.3 70.0% (10), "
+            "0.3-0.5 100.0% (10), solid 98.3% (60)") in format_set_checks(checks)
+    # A solid set, or a dense row that did not answer the whole file, has no such line.
+    (tmp_path / "solid").mkdir()
+    assert "dense_by_contrast" not in set_checks([_dense(0.5, {"color": 0.5}, "10" * 45)], *_sets(tmp_path / "solid"))
+    assert "dense_by_contrast" not in set_checks([_dense(0.5, {"color": 0.5}, "1" * 40)], train, val)
+
+
 def test_discrimination_reads_each_method_at_3x_against_dense_on_its_questions(tmp_path: Path) -> None:
     """Before: nothing said whether the set discriminates. Now: random routing's and the best
     training-free method's loss at 3x, from the row at 3x where there is one, else interpolated in

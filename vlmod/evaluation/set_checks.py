@@ -197,6 +197,39 @@ def loss_at(rows: Sequence[Mapping[str, Any]], method: str, at: float = AT) -> f
     return None
 
 
+# Where faint pictures or clips (`faint_contrast`) lose their answers: dense by contrast, in these
+# bands (the faint ranges: 0.03-0.3 the shapes', 0.05-0.5 the glyphs'), solid (1) on its own.
+CONTRAST_BANDS = (0.15, 0.3, 0.5)
+
+
+def contrast_of(record: Mapping[str, Any]) -> float:
+    """A question's picture or clip contrast, from its meta (the fine-detail set's `contrast`, the
+    shapes' per object; 1: solid)."""
+    meta = record.get("meta") or {}
+    if "contrast" in meta:
+        return float(meta["contrast"])
+    return min((float(o.get("contrast", 1.0)) for o in meta.get("objects") or ()), default=1.0)
+
+
+def by_contrast(dense: Mapping[str, Any], val: Path) -> dict[str, dict[str, float]] | None:
+    """Dense accuracy (percent) and questions per contrast band of `CONTRAST_BANDS` and solid, from
+    its row's per-question `correct` (in the validation file's order); None for a set with no faint
+    picture or a row that does not cover the file."""
+    records = load_records(val)
+    correct = dense.get("correct") or ""
+    contrasts = [contrast_of(r.raw if isinstance(r.raw, dict) else {}) for r in records]
+    if not contrasts or len(correct) != len(records) or min(contrasts) >= 1.0:
+        return None
+    edges = [0.0, *CONTRAST_BANDS]
+    bands: dict[str, list[bool]] = defaultdict(list)
+    for k, right in zip(contrasts, correct, strict=True):
+        name = "solid" if k >= 1.0 else next((f"{a:g}-{b:g}" for a, b in zip(edges, edges[1:], strict=False) if k < b),
+                                             f"{edges[-1]:g}-1")
+        bands[name].append(right == "1")
+    order = [*(f"{a:g}-{b:g}" for a, b in zip(edges, edges[1:], strict=False)), f"{edges[-1]:g}-1", "solid"]
+    return {b: {"accuracy": 100 * sum(bands[b]) / len(bands[b]), "questions": len(bands[b])} for b in order if bands[b]}
+
+
 def _check(name: str, label: str, value: Any, threshold: Any, rule: str, failed: list[str] | bool | None,
            verdict: bool, **extra: Any) -> dict[str, Any]:
     """One check's record; `failed`: the failing types (or True / False), None when not measured."""
@@ -258,7 +291,10 @@ def set_checks(rows: Sequence[Mapping[str, Any]], train: Path, val: Path, tempor
     judged = [c["pass"] for c in checks if c["name"] not in ("chance", "training_free_loss")]
     # One failure fails the set; a check not measured (no point that far) leaves it open.
     ok = False if False in judged else None if not verdict or None in judged else True
-    return {"units": "percent (losses in points)", "verdict": verdict, "pass": ok, "checks": checks}
+    out = {"units": "percent (losses in points)", "verdict": verdict, "pass": ok, "checks": checks}
+    if (bands := by_contrast(dense, val)) is not None:
+        out["dense_by_contrast"] = bands  # not a check: where the dense model's errors are
+    return out
 
 
 def _pct(value: Any) -> str:
@@ -287,6 +323,9 @@ def format_set_checks(checks: Mapping[str, Any], temporal: Sequence[str] = ()) -
         lines.append("| " + " | ".join([c["label"], *cells, c["rule"], verdict]) + " |")
     if not checks["verdict"]:
         lines += ["", "(a run too small for a verdict: each check measured, none judged)"]
+    if checks.get("dense_by_contrast"):
+        lines += ["", "Dense by the pictures' contrast (faint ones drawn at under 1): " + ", ".join(
+            f"{band} {v['accuracy']:.1f}% ({v['questions']:,})" for band, v in checks["dense_by_contrast"].items())]
     return "\n".join(lines)
 
 
@@ -323,5 +362,6 @@ def check_recipe_sets(rows: Sequence[Mapping[str, Any]], train: Path, val: Path,
 
 
 __all__ = ["AT", "DENSE_OVERALL", "DENSE_TYPE_FLOOR", "MARGIN", "RANDOM_LOSS", "TRAINING_FREE", "TRAINING_FREE_LOSS",
-           "OneFrameDataset", "answer_blanked_report", "blanking_answers", "blind_ceiling", "chance", "check_recipe_sets", "failures", "format_set_checks",
+           "CONTRAST_BANDS", "OneFrameDataset", "answer_blanked_report", "blanking_answers", "blind_ceiling", "by_contrast",
+           "chance", "contrast_of", "check_recipe_sets", "failures", "format_set_checks",
            "loss_at", "one_frame_report", "set_checks"]
