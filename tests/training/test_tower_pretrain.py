@@ -59,6 +59,22 @@ def test_scene_images_label_every_distinct_image(scenes: tuple[Path, Path]) -> N
         scene_images(data, image_size=64, patch_size=8)
 
 
+def test_solid_only_leaves_the_faint_pictures_labels_out(tmp_path: Path) -> None:
+    """`--tower-solid`: a faint picture's labels name shapes the noise may hide, so the tower can
+    learn on the solid pictures alone; the labels of those it keeps are the same."""
+    from vlmod.data.synthetic import generate
+
+    generate(tmp_path, 40, 0, image_size=32, distractors=1, seed=0, faint=0.5, progress=False)
+    records = json.loads((tmp_path / "train.json").read_text())
+    solid = [r for r in records if all(o.get("contrast", 1.0) == 1.0 for o in r["meta"]["objects"])]
+    assert 0 < len(solid) < len(records)
+    every, every_targets = scene_images(tmp_path / "train.json", image_size=32, patch_size=8)
+    kept, kept_targets = scene_images(tmp_path / "train.json", image_size=32, patch_size=8, solid_only=True)
+    assert len(every) == len(records) and len(kept) == len(solid)
+    rows = [i for i, r in enumerate(records) if r in solid]
+    assert (kept_targets == every_targets[rows]).all()
+
+
 def test_pretraining_trains_the_tower_alone_and_saves_the_whole_model(scenes: tuple[Path, Path],
                                                                       tmp_path: Path) -> None:
     import vlmod

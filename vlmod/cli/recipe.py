@@ -207,6 +207,9 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     parser.add_argument("--question-first", action=argparse.BooleanOptionalAction, default=None,
                         help="detail task: each prompt puts the question before the picture (default: "
                              f"{'on' if detail.question_first else 'off'})")
+    parser.add_argument("--tower-solid", action=argparse.BooleanOptionalAction, default=None,
+                        help="tower pretraining on the solid pictures only, none of the faint ones' labels "
+                             f"(default: {'on' if image.tower_solid else 'off'})")
     parser.add_argument("--unaligned", action=argparse.BooleanOptionalAction, default=None,
                         help="detail task: each picture's glyph cells start 0 to glyph-scale - 1 patches in (drawn), "
                              "so glyphs straddle 2 x 2 pooling windows as text does on real pictures (default: "
@@ -305,7 +308,7 @@ def run_recipe_command(args: argparse.Namespace) -> int:
         overrides["routers"] = tuple(args.routers)
     if args.threads is not None:
         overrides["threads"] = args.threads
-    for flag in ("captions", "stacked", "dense_tower", "question_first", "unaligned", "stack_merge"):
+    for flag in ("captions", "stacked", "dense_tower", "tower_solid", "question_first", "unaligned", "stack_merge"):
         if getattr(args, flag) is not None:
             overrides[flag] = getattr(args, flag)
     if args.no_distill:

@@ -231,7 +231,7 @@ class _Recipe(PointEvaluations):
         """The tower learns what each patch of the training images shows before any language
         training, as LLaVA's starts from a pretrained CLIP (`vlmod.training.tower_pretrain`)."""
         pretrain_tower(first, self.data / "train.json", self.out / "tower", steps=self.s.tower_steps, seed=self.s.seed,
-                       progress=self.progress)
+                       solid_only=self.s.tower_solid, progress=self.progress)
         return self.out / "tower" / "model"
 
     def train_on_images(self, first: Path) -> Path:

@@ -25,7 +25,7 @@ CONTROL_STAGES = ("train dense control", "eval dense control")  # opt-in: left o
 # The settings the first dense model depends on, and (`refine_steps` > 0) the refined one too.
 DENSE_SETTINGS = (
     "task", "num_train", "image_size", "frames", "video_pool", "distractors", "captions", "width", "layers", "heads", "kv_heads",
-    "vision_width", "vision_layers", "patch_size", "tower_steps", "dense_steps", "dense_lr", "dense_tower", "weight_decay",
+    "vision_width", "vision_layers", "patch_size", "tower_steps", "tower_solid", "dense_steps", "dense_lr", "dense_tower", "weight_decay",
     "batch_size", "seed",
     "image_steps", "num_train_images", "image_batch_size", "image_model", "glyph_scale", "types", "question_first",
     "layout", "faint", "unaligned",

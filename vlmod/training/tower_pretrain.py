@@ -61,11 +61,14 @@ def glyph_targets(glyphs: list[dict[str, Any]], image_size: int, patch_size: int
     return targets
 
 
-def scene_images(data_json: str | Path, image_size: int, patch_size: int) -> tuple[list[Any], np.ndarray]:
+def scene_images(data_json: str | Path, image_size: int, patch_size: int,
+                 solid_only: bool = False) -> tuple[list[Any], np.ndarray]:
     """The distinct images of a synthetic image set (`vlmod data synthetic`) and their patch
     targets [n, 2, patches]: the scenes' object records are the labels. A fine-detail set
     (`vlmod.data.detail`, its records list `glyphs`) gets a third row, each patch's digit, and a
-    glyph's patch has the glyph's colour (the question names the glyph by it)."""
+    glyph's patch has the glyph's colour (the question names the glyph by it). `solid_only`: the
+    pictures whose objects are all at full contrast (no faint one's labels, which name shapes the
+    noise may hide)."""
     data_json = Path(data_json).expanduser()
     seen: dict[str, list[dict[str, Any]]] = {}
     digits: dict[str, list[dict[str, Any]]] = {}
@@ -74,6 +77,8 @@ def scene_images(data_json: str | Path, image_size: int, patch_size: int) -> tup
         if not isinstance(image, str) or "objects" not in meta:
             raise InputError(f"{data_json}: record {i} is not a synthetic scene (an 'image' and meta.objects); "
                              "tower pretraining needs `vlmod data synthetic` images")
+        if solid_only and any(o.get("contrast", 1.0) < 1.0 for o in meta["objects"]):
+            continue
         seen.setdefault(image, meta["objects"])
         if "glyphs" in meta:
             digits.setdefault(image, meta["glyphs"])
@@ -101,9 +106,9 @@ def _accuracy(logits: torch.Tensor, targets: torch.Tensor, background: int) -> f
 
 def pretrain_tower(model_dir: str | Path, data_json: str | Path, out: str | Path, steps: int = 1500,
                    batch_size: int = 64, lr: float = 2e-3, weight_decay: float = 0.05, val_images: int = 500,
-                   seed: int = 0, progress: bool = True) -> dict[str, Any]:
+                   seed: int = 0, solid_only: bool = False, progress: bool = True) -> dict[str, Any]:
     """Train the vision tower of the LLaVA in `model_dir` to tell each patch's object (shape and
-    colour) on the synthetic images of `data_json`; save the whole model to `out/model` and
+    colour) on the synthetic images of `data_json` (`solid_only`: its solid pictures, `scene_images`); save the whole model to `out/model` and
     `out/log.json` (per-patch accuracy on the last `val_images` held-out images). The learning
     rate warms up over 10% of the steps and decays by a cosine."""
     from tqdm.auto import tqdm
@@ -118,7 +123,7 @@ def pretrain_tower(model_dir: str | Path, data_json: str | Path, out: str | Path
     if tower is None:
         raise InputError(f"{model_dir} has no vision_tower to pretrain (a LLaVA-family checkpoint has one)")
     vcfg = tower.config
-    images, targets = scene_images(data_json, vcfg.image_size, vcfg.patch_size)
+    images, targets = scene_images(data_json, vcfg.image_size, vcfg.patch_size, solid_only)
     n_val = min(val_images, len(images) // 8)
     if len(images) - n_val < 1:
         raise InputError(f"{data_json} holds {len(images)} images: too few to pretrain the tower")
