@@ -387,8 +387,8 @@ def test_the_recipe_takes_faint_for_the_picture_tasks(tmp_path: Path, capsys: py
     assert RecipeSettings.for_task("detail", faint=0.3).faint == 0.3
     with pytest.raises(InputError, match="--faint is the share of pictures drawn faint, 0 to 1, got 1.5"):
         RecipeSettings.for_task("detail", faint=1.5)
-    # The image recipe draws a fifth of its pictures faint; its isoFLOP check keeps the solid set it reports.
-    assert RecipeSettings.for_task("image").faint == 0.2 and RecipeSettings.for_task("image", isoflop=True).faint == 0.0
+    # The image recipe draws half its colour, count and position pictures faint; its isoFLOP check keeps the solid set.
+    assert RecipeSettings.for_task("image").faint == 0.5 and RecipeSettings.for_task("image", isoflop=True).faint == 0.0
     with pytest.raises(InputError, match="the video task's clips draw their own faint fifth: leave it out"):
         RecipeSettings.for_task("video", faint=0.2)
     assert main(["recipe", "--task", "detail", "--quick", "--faint", "2", "--out", str(tmp_path / "run")]) == 2

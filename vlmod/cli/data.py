@@ -56,7 +56,8 @@ def add_make_data_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
         f"(default: {image.distractors}, the image recipe's: one shape per image; 2 makes a harder set)",
     )
     parser.add_argument("--faint", type=share, default=image.faint,
-                        help=f"the share of the pictures whose shapes are drawn faint, at a contrast uniform in "
+                        help=f"the share of the colour, count and position pictures whose shapes are drawn faint (shape "
+                             f"questions stay solid), at a contrast uniform in "
                              f"{FAINT_CONTRAST[0]:g}-{FAINT_CONTRAST[1]:g} (default: {image.faint:g}, the image "
                              "recipe's; the clips draw their own fifth)")
     parser.add_argument("--video", action="store_true", help="also write the video set (video_train/val.json)")
