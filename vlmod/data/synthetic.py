@@ -28,7 +28,7 @@ shapes (`distractors=2`; 0 gives one-shape scenes, an easier set), count images 
 a contrast uniform in the video set's faint range (FAINT_CONTRAST): the set gets room above, graded
 by what can be seen through the noise, as the video set's faint clips give it (each faint object's
 meta carries its `contrast`). The shape question is asked of solid pictures only: at 32 px a faint
-outline is past what the model resolves (dense 30-41% on faint shape pictures), and answering them
+outline is past what the model resolves (dense 25-55% on faint shape pictures), and answering them
 cost the solid ones too (shape 86-90% on solid pictures with a fifth of every type faint, 99% with none).
 
 Video questions (`video=True`; `num_frames` frames, an mp4 per record): direction, first
