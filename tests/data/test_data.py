@@ -284,6 +284,7 @@ def test_faint_pictures_are_the_solid_ones_at_a_low_contrast(tmp_path):
                 assert np.abs(b[y, x] - color).sum() > np.abs(a[y, x] - color).sum() + 60
     assert 8 <= faint_count <= 28, faint_count  # half of the 36 colour, count and position pictures
     assert json.loads((tmp_path / "faint" / "meta.json").read_text())["faint"] == 0.5
+    assert json.loads((tmp_path / "faint" / "meta.json").read_text())["faint_types"] == ["color", "count", "position"]
     assert "faint" not in json.loads((tmp_path / "solid" / "meta.json").read_text())
     with pytest.raises(ValueError, match="faint is the share of pictures drawn faint, 0 to 1, got 1.5"):
         syn.generate(tmp_path / "refused", 1, 1, faint=1.5)

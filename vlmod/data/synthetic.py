@@ -418,7 +418,7 @@ def generate(
         "grid": GRID,
         "distractors": distractors,
         "captions": captions,
-        **({"faint": faint, "faint_contrast": list(FAINT_CONTRAST)} if faint else {}),
+        **({"faint": faint, "faint_contrast": list(FAINT_CONTRAST), "faint_types": list(FAINT_TYPES)} if faint else {}),
         "num_frames": num_frames if video else None,
         "video_fps": VIDEO_FPS if video else None,
         "question_types": list(qtypes),
